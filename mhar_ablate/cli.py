@@ -1,0 +1,240 @@
+"""The ``mhar-ablate`` command line (also ``python -m mhar_ablate``).
+
+Bad input is one line on stderr and exit code 2; ``--debug`` shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from .errors import UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2, like every other bad input
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--output", default="outputs", metavar="DIR",
+                   help="folder that holds studies and runs (default: outputs/)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def _budget_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--budget", choices=("steps", "wallclock"), help="equal optimiser steps or equal training time")
+    p.add_argument("--steps", type=int, metavar="N", help="optimiser steps for --budget steps")
+    p.add_argument("--time", metavar="DURATION", help="training time for --budget wallclock: 90s, 10m, 1.5h or seconds")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="mhar-ablate", description="Ablation studies of depth-routing residuals (MHAR).")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    t = sub.add_parser("train", help="train one run into a new run folder under --output")
+    t.add_argument("--config", metavar="FILE", help="YAML with model/residual/data/optim/train sections")
+    _budget_args(t)
+    t.add_argument("--preset", help="model preset from configs/ (same as model.preset=...)")
+    t.add_argument("--resume", metavar="RUN", help="continue this run folder from its checkpoint")
+    _common(t)
+    t.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. residual.heads=4")
+
+    s = sub.add_parser("study", help="run (or resume) the study defined in studies/NAME.yaml under one budget")
+    s.add_argument("name", help="a study in studies/ (heads, grouping, query_init, budget) or a YAML path")
+    _budget_args(s)
+    s.add_argument("--preset", help="model preset for every arm (same as model.preset=...)")
+    s.add_argument("--seeds", type=int, metavar="N", help="seeds per arm (default: the study's)")
+    s.add_argument("--tune", choices=("lr",), help="tune this hyperparameter per arm with TPE before the grid")
+    s.add_argument("--trials", type=int, default=6, metavar="N", help="TPE trials per arm for --tune (default 6)")
+    s.add_argument("--prune", action="store_true", help="stop hopeless trials early (median pruner)")
+    s.add_argument("--storage", metavar="URL", help="Optuna storage URL (default: SQLite in --output)")
+    _common(s)
+    s.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every arm")
+
+    e = sub.add_parser("export", help="print a study's ablation table and write it, with plots, beside the runs")
+    e.add_argument("name")
+    e.add_argument("--format", choices=("md", "latex", "csv", "json"), default="md")
+    e.add_argument("--budget", choices=("steps", "wallclock"), help="one budget (default: every budget run)")
+    e.add_argument("--storage", metavar="URL")
+    _common(e)
+
+    b = sub.add_parser("tensorboard", help="start TensorBoard on a study's runs (or print the command)")
+    b.add_argument("name")
+    b.add_argument("--port", type=int, default=6006)
+    b.add_argument("--print", dest="print_only", action="store_true", help="print the command instead of running it")
+    _common(b)
+
+    i = sub.add_parser("info", help="print a configuration's parameter counts and routing overhead")
+    i.add_argument("--config", metavar="FILE")
+    i.add_argument("--preset")
+    i.add_argument("--debug", action="store_true")
+    i.add_argument("overrides", nargs="*", metavar="key=value")
+    return parser
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, str]:
+    from .config import parse_overrides, parse_duration
+
+    o = parse_overrides(args.overrides)
+    if getattr(args, "preset", None):
+        o["model.preset"] = args.preset
+    if getattr(args, "budget", None):
+        o["train.budget"] = args.budget
+    if getattr(args, "steps", None) is not None:
+        o["train.steps"] = str(args.steps)
+    if getattr(args, "time", None) is not None:
+        o["train.time"] = str(parse_duration(args.time))
+    return o
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from .config import build_config
+    from .model import routing_overhead
+
+    cfg = build_config(args.config, _overrides(args))
+    vocab = cfg.model.vocab_size or (256 if cfg.data.tokenizer == "byte" else cfg.data.vocab_size)
+    n, nb, pct = routing_overhead(cfg.model, cfg.residual, vocab)
+    print(f"preset {cfg.model.preset}: d={cfg.model.d_model}, {cfg.model.n_layers} layers, vocab {vocab:,}")
+    print(f"{cfg.residual.kind} parameters: {n:,}; baseline: {nb:,}; routing overhead: {pct:+.4f} %")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .config import build_config
+    from .training.run import find_run, load_run_config, new_run_dir, stop_on_signals, train_run
+
+    output = Path(args.output)
+    if args.resume:
+        if args.overrides or args.config or args.preset:
+            raise UsageError("--resume continues a run exactly as configured: drop --config, --preset and key=value")
+        run_dir = find_run(output, args.resume)
+        cfg = load_run_config(run_dir)
+        if args.budget or args.steps is not None or args.time is not None:
+            raise UsageError("--resume keeps the run's own budget")
+    else:
+        cfg = build_config(args.config, _overrides(args))
+        run_dir = new_run_dir(output, cfg)
+    cache = output / "cache"
+    print(f"run folder: {run_dir}", flush=True)
+    with stop_on_signals() as stop:
+        result = train_run(cfg, run_dir, cache, resume=bool(args.resume), stop=stop)
+    print(f"{result['status']}: {result['step']} steps, {result['seconds']:.1f}s of training, "
+          f"final val loss {result['final_val_loss']:.4f}, {result['tokens_per_s'] or 0:,.0f} tokens/s")
+    print(f"TensorBoard: tensorboard --logdir {run_dir / 'tb'}")
+    if result["status"] == "interrupted":
+        print(f"resume with: mhar-ablate train --output {output} --resume {run_dir.name}")
+        return 130
+    return 0 if result["status"] == "completed" else 1
+
+
+def cmd_study(args: argparse.Namespace) -> int:
+    from .study import StudyDefinition, StudyRun, run_study
+    from .training.run import stop_on_signals
+
+    definition = StudyDefinition.load(args.name)
+    budget = args.budget or "steps"
+    if args.seeds is not None and args.seeds < 1:
+        raise UsageError(f"--seeds must be at least 1, got {args.seeds}")
+    if args.tune and args.trials < 1:
+        raise UsageError(f"--trials must be at least 1, got {args.trials}")
+    if args.storage is None and Path(args.output).exists() and not Path(args.output).is_dir():
+        raise UsageError(f"--output {args.output} is a file, not a folder")
+    overrides = _overrides(args)
+    overrides.pop("train.budget", None)
+    sr = StudyRun(definition, budget, Path(args.output), overrides, args.seeds or definition.seeds,
+                  storage=args.storage, prune=args.prune, tune=args.tune, tune_trials=args.trials)
+    with stop_on_signals() as stop:
+        summary = run_study(sr, stop=stop)
+    if summary["interrupted"]:
+        print(f"interrupted: rerun `mhar-ablate study {args.name} --budget {budget}` to resume", file=sys.stderr)
+        return 130
+    from .export import build_table, render
+    from .study import load_studies
+
+    (study,) = load_studies(Path(args.output), definition.name, budget, args.storage)
+    print()
+    print(render(build_table(study), "md"))
+    print(f"runs and TensorBoard logs: {sr.folder}")
+    print(f"next: mhar-ablate tensorboard {definition.name}{_out(args)}   |   "
+          f"mhar-ablate export {definition.name} --format md{_out(args)}")
+    return 0
+
+
+def _out(args: argparse.Namespace) -> str:
+    return "" if args.output == "outputs" else f" --output {args.output}"
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export import build_table, export, verdicts
+    from .study import load_studies
+
+    output = Path(args.output)
+    studies = load_studies(output, Path(args.name).stem, args.budget, args.storage)
+    tables = []
+    for study in studies:
+        folder = Path(study.user_attrs.get("folder") or output / "studies" / args.name / study.user_attrs.get("budget", ""))
+        if not folder.is_absolute() and not folder.exists():
+            folder = output / "studies" / Path(args.name).stem / study.user_attrs.get("budget", "")
+        text, files = export(study, args.format, folder)
+        tables.append(build_table(study))
+        print(text)
+        print(f"written: {', '.join(str(f) for f in files)}", file=sys.stderr)
+    if len(tables) > 1:
+        print("verdicts by measure (lowest validation loss first):", file=sys.stderr)
+        print(verdicts(tables), file=sys.stderr)
+    return 0
+
+
+def cmd_tensorboard(args: argparse.Namespace) -> int:
+    import shutil
+    import subprocess
+
+    logdir = Path(args.output) / "studies" / Path(args.name).stem
+    if not logdir.is_dir():
+        raise UsageError(f"no runs for study {args.name!r} under {logdir.parent}")
+    cmd = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--port", str(args.port)]
+    shown = f"tensorboard --logdir {logdir} --port {args.port}"
+    if args.print_only or not shutil.which(sys.executable):
+        print(shown)
+        return 0
+    print(f"starting: {shown}   (Ctrl-C stops it)", file=sys.stderr)
+    try:
+        return subprocess.call(cmd)
+    except KeyboardInterrupt:
+        return 0
+
+
+COMMANDS = {"train": cmd_train, "study": cmd_study, "export": cmd_export, "tensorboard": cmd_tensorboard,
+            "info": cmd_info}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        if not args.command:
+            build_parser().print_help()
+            return 2
+        return COMMANDS[args.command](args)
+    except UsageError as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a bug, not bad input: say so in one line unless asked for more
+        if debug:
+            raise
+        print(f"error: internal error: {type(e).__name__}: {e} (run again with --debug for the traceback)",
+              file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,416 @@
+"""Typed run configuration: small dataclasses, loaded from YAML and overridden by dotted ``key=value``.
+
+A run is ``RunConfig`` = model + residual + data + optim + train + seed. ``model.preset`` names a file in
+``configs/`` whose keys fill the model section before any explicit ``model.*`` key. Unknown keys and bad
+values raise ``UsageError`` with one line that names the key, so a typo fails before training starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import yaml
+
+from .errors import UsageError
+
+PACKAGE_ROOT = Path(__file__).resolve().parent
+# configs/ and studies/ live beside the package in a checkout (and in an editable install); the
+# current directory wins so that a user can keep their own presets next to their outputs.
+SEARCH_ROOTS = (Path.cwd(), PACKAGE_ROOT.parent, PACKAGE_ROOT / "_data")
+
+
+def find_resource(folder: str, name: str) -> Path:
+    """``configs/<name>.yaml`` or ``studies/<name>.yaml``, or a path given directly."""
+    direct = Path(name)
+    if direct.suffix in (".yaml", ".yml") and direct.is_file():
+        return direct
+    for root in SEARCH_ROOTS:
+        p = root / folder / f"{name}.yaml"
+        if p.is_file():
+            return p
+    raise UsageError(f"unknown {folder[:-1]} {name!r}: choose one of {', '.join(list_resources(folder)) or '(none found)'}")
+
+
+def list_resources(folder: str) -> list[str]:
+    names: set[str] = set()
+    for root in SEARCH_ROOTS:
+        if (root / folder).is_dir():
+            names.update(p.stem for p in (root / folder).glob("*.yaml"))
+    return sorted(names)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"config file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise UsageError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UsageError(f"{p}: expected a mapping of keys at the top level")
+    return data
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"
+    d_model: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int | None = None  # None: d_model // n_heads (Qwen3 sets it explicitly)
+    ffn: int = 192
+    seq_len: int = 128
+    vocab_size: int | None = None  # None: the tokenizer's vocabulary
+    rope_theta: float = 1_000_000.0
+    norm_eps: float = 1e-6
+
+    def validate(self) -> None:
+        for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn", "seq_len"):
+            if getattr(self, k) <= 0:
+                raise UsageError(f"model.{k} must be positive, got {getattr(self, k)}")
+        if self.n_heads % self.n_kv_heads:
+            raise UsageError(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise UsageError(f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model} (or set model.head_dim)")
+        if self.head_dim is not None and (self.head_dim <= 0 or self.head_dim % 2):
+            raise UsageError(f"model.head_dim must be a positive even number, got {self.head_dim}")
+        if (self.head_dim or self.d_model // self.n_heads) % 2:
+            raise UsageError("the attention head dimension must be even for rotary embeddings")
+
+
+RESIDUAL_KINDS = ("baseline", "attnres", "mhar")
+
+
+@dataclass
+class ResidualConfig:
+    kind: str = "mhar"
+    heads: int | None = None  # routing heads H; None: 1 for attnres, 8 for mhar
+    grouping: str = "full"  # full | layer | block:K
+    query_init: str = "zeros"  # zeros | normal:STD
+    backend: str = "auto"  # auto | reference | triton
+
+    def resolved_heads(self) -> int:
+        if self.heads is not None:
+            return self.heads
+        return 8 if self.kind == "mhar" else 1
+
+    def block_layers(self) -> int | None:
+        """Layers per block source; None for ``full`` (every sublayer is its own source)."""
+        g = self.grouping
+        if g == "full":
+            return None
+        if g == "layer":
+            return 1
+        m = re.fullmatch(r"block:(-?\d+)", g)
+        if not m:
+            raise UsageError(f"residual.grouping must be full, layer or block:K, got {g!r}")
+        k = int(m.group(1))
+        if k < 1:
+            raise UsageError(f"residual.grouping={g}: K must be at least 1")
+        return k
+
+    def query_std(self) -> float:
+        q = self.query_init
+        if q == "zeros":
+            return 0.0
+        m = re.fullmatch(r"normal:([0-9.eE+-]+)", q)
+        if not m:
+            raise UsageError(f"residual.query_init must be zeros or normal:STD, got {q!r}")
+        try:
+            std = float(m.group(1))
+        except ValueError:
+            raise UsageError(f"residual.query_init={q}: STD is not a number") from None
+        if not std > 0 or not math.isfinite(std):
+            raise UsageError(f"residual.query_init={q}: STD must be a positive number")
+        return std
+
+    def validate(self, model: ModelConfig) -> None:
+        from .model.residual import RESIDUALS  # the registry is the one list of kinds
+
+        if self.kind not in RESIDUALS:
+            raise UsageError(f"unknown residual.kind {self.kind!r}: choose one of {', '.join(sorted(RESIDUALS))}")
+        if self.backend not in ("auto", "reference", "triton"):
+            raise UsageError(f"residual.backend must be auto, reference or triton, got {self.backend!r}")
+        if self.kind == "baseline":
+            return
+        h = self.resolved_heads()
+        if self.kind == "attnres" and h != 1:
+            raise UsageError(f"residual.kind=attnres is single-head; use residual.kind=mhar for residual.heads={h}")
+        if h < 1 or model.d_model % h:
+            raise UsageError(f"residual.heads={h} does not divide model.d_model={model.d_model}")
+        k = self.block_layers()
+        if k is not None and k > model.n_layers:
+            raise UsageError(f"residual.grouping={self.grouping}: K={k} is larger than model.n_layers={model.n_layers}")
+        self.query_std()
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # stdlib | a path to a file or folder of .txt/.jsonl/.json/.parquet | hub:NAME
+    text_field: str = "text"  # the column holding text in JSON lines / Parquet / hub datasets
+    tokenizer: str = "byte"  # byte | bpe
+    vocab_size: int = 4096  # for bpe
+    val_fraction: float = 0.01
+    val_sequences: int = 64  # cap on the validation set (sequences of model.seq_len + 1 tokens)
+    max_tokens: int | None = None  # truncate the corpus (after tokenising) for quick experiments
+
+    def validate(self) -> None:
+        if self.tokenizer not in ("byte", "bpe"):
+            raise UsageError(f"data.tokenizer must be byte or bpe, got {self.tokenizer!r}")
+        if self.tokenizer == "bpe" and not 260 <= self.vocab_size <= 1_000_000:
+            raise UsageError(f"data.vocab_size must be between 260 and 1,000,000, got {self.vocab_size}")
+        if not 0 < self.val_fraction < 0.5:
+            raise UsageError(f"data.val_fraction must be in (0, 0.5), got {self.val_fraction}")
+        if self.val_sequences < 1:
+            raise UsageError(f"data.val_sequences must be at least 1, got {self.val_sequences}")
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            raise UsageError(f"data.max_tokens must be positive, got {self.max_tokens}")
+        if self.source not in ("stdlib",) and not self.source.startswith("hub:") and not Path(self.source).exists():
+            raise UsageError(f"data.source: no such file or folder: {self.source}")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    warmup: float = 0.05  # fraction of the budget (steps or seconds) spent warming up
+    schedule: str = "cosine"  # cosine | wsd | constant
+    min_lr_ratio: float = 0.1
+    decay_fraction: float = 0.2  # wsd: the final fraction of the budget spent decaying
+
+    def validate(self) -> None:
+        if not self.lr > 0:
+            raise UsageError(f"optim.lr must be positive, got {self.lr}")
+        if self.weight_decay < 0:
+            raise UsageError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.warmup < 1:
+            raise UsageError(f"optim.warmup is a fraction of the budget in [0, 1), got {self.warmup}")
+        if self.schedule not in ("cosine", "wsd", "constant"):
+            raise UsageError(f"optim.schedule must be cosine, wsd or constant, got {self.schedule!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise UsageError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0 < self.decay_fraction <= 1:
+            raise UsageError(f"optim.decay_fraction must be in (0, 1], got {self.decay_fraction}")
+        if self.grad_clip < 0:
+            raise UsageError(f"optim.grad_clip must be >= 0, got {self.grad_clip}")
+
+
+@dataclass
+class TrainConfig:
+    budget: str = "steps"  # steps | wallclock
+    steps: int = 300
+    time: float = 60.0  # seconds of training time for the wallclock budget
+    batch_size: int = 16
+    eval_every: int = 10  # number of evaluations spread evenly over the budget
+    eval_batches: int = 4
+    heatmap_every: int = 4  # draw the routing heatmap every N evaluations (and always at the end)
+    precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
+    compile: bool = False
+    threads: int | None = None  # CPU threads for torch; None: torch's default
+
+    def validate(self) -> None:
+        if self.budget not in ("steps", "wallclock"):
+            raise UsageError(f"train.budget must be steps or wallclock, got {self.budget!r}")
+        if self.steps <= 0:
+            raise UsageError(f"train.steps must be positive, got {self.steps}")
+        if not self.time > 0 or not math.isfinite(self.time):
+            raise UsageError(f"train.time must be a positive duration, got {self.time}")
+        if self.batch_size <= 0:
+            raise UsageError(f"train.batch_size must be positive, got {self.batch_size}")
+        if self.eval_every <= 0 or self.eval_batches <= 0 or self.heatmap_every <= 0:
+            raise UsageError("train.eval_every, train.eval_batches and train.heatmap_every must be positive")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise UsageError(f"train.precision must be auto, fp32 or bf16, got {self.precision!r}")
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    residual: ResidualConfig = field(default_factory=ResidualConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    seed: int = 0
+
+    def validate(self) -> "RunConfig":
+        self.model.validate()
+        self.residual.validate(self.model)
+        self.data.validate()
+        self.optim.validate()
+        self.train.validate()
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted keys, for hyperparameter logging and study tables."""
+        out: dict[str, Any] = {}
+        for section, values in self.to_dict().items():
+            if isinstance(values, dict):
+                out.update({f"{section}.{k}": v for k, v in values.items()})
+            else:
+                out[section] = values
+        return out
+
+
+# --------------------------------------------------------------------------- parsing and merging
+
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?)\s*([smh]?)\s*$")
+
+
+def parse_duration(text: str | float | int) -> float:
+    """``90s``, ``10m``, ``1.5h`` or a bare number of seconds -> seconds (positive)."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        seconds = float(text)
+    else:
+        s = str(text).strip()
+        neg = s.startswith("-")
+        m = _DURATION.match(s.lstrip("-"))
+        if not m:
+            raise UsageError(f"not a duration: {text!r} (use 90s, 10m, 1.5h or seconds)")
+        seconds = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+        seconds = -seconds if neg else seconds
+    if not seconds > 0 or not math.isfinite(seconds):
+        raise UsageError(f"a duration must be positive, got {text!r}")
+    return seconds
+
+
+def _coerce(value: Any, typ: Any, key: str) -> Any:
+    """Convert a YAML value or a command-line string to the field's declared type."""
+    origin = getattr(typ, "__args__", None)
+    optional = origin is not None and type(None) in origin
+    base = next((t for t in origin if t is not type(None)), str) if origin else typ
+    if isinstance(value, str) and optional and value.lower() in ("none", "null", "~"):
+        return None
+    if value is None:
+        if optional:
+            return None
+        raise UsageError(f"{key} cannot be empty")
+    try:
+        if base is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("true", "1", "yes", "on"):
+                return True
+            if str(value).lower() in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if base is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            if isinstance(value, str):
+                value = value.replace("_", "")
+                return int(float(value)) if re.fullmatch(r"[-+]?\d+(\.0*)?([eE]\+?\d+)?", value) else int(value)
+            return int(value)
+        if base is float:
+            if key == "train.time":
+                return parse_duration(value)
+            return float(value)
+        if base is str:
+            return str(value)
+    except UsageError:
+        raise
+    except (TypeError, ValueError):
+        raise UsageError(f"{key}: expected {base.__name__}, got {value!r}") from None
+    return value
+
+
+def _section_types(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def apply(cfg: RunConfig, updates: dict[str, Any], where: str = "") -> None:
+    """Apply a nested or dotted mapping to ``cfg`` in place; unknown keys are errors."""
+    src = f" in {where}" if where else ""
+    flat: dict[str, Any] = {}
+    for k, v in updates.items():
+        if isinstance(v, dict):
+            for kk, vv in v.items():
+                if isinstance(vv, dict):
+                    raise UsageError(f"{k}.{kk}{src}: nested mappings are not configuration values")
+                flat[f"{k}.{kk}"] = vv
+        else:
+            flat[k] = v
+    # The preset goes first so that explicit model.* keys override what it sets.
+    if "model.preset" in flat:
+        load_preset(cfg, str(flat.pop("model.preset")))
+    top = _section_types(RunConfig)
+    for key, value in flat.items():
+        parts = key.split(".")
+        if len(parts) == 1:
+            if key not in top or dataclasses.is_dataclass(top[key]):
+                raise UsageError(f"unknown config key {key!r}{src}" + (" (it is a section: use section.key=value)" if key in top else ""))
+            setattr(cfg, key, _coerce(value, top[key], key))
+            continue
+        if len(parts) != 2 or parts[0] not in top or not dataclasses.is_dataclass(top[parts[0]]):
+            raise UsageError(f"unknown config key {key!r}{src}")
+        section = getattr(cfg, parts[0])
+        types = _section_types(type(section))
+        if parts[1] not in types:
+            raise UsageError(f"unknown config key {key!r}{src}: {parts[0]} has {', '.join(types)}")
+        setattr(section, parts[1], _coerce(value, types[parts[1]], key))
+
+
+def load_preset(cfg: RunConfig, name: str) -> None:
+    path = find_resource("configs", name)
+    data = load_yaml(path)
+    types = _section_types(ModelConfig)
+    for k, v in data.items():
+        if k not in types or k == "preset":
+            raise UsageError(f"unknown model key {k!r} in preset {path}")
+        setattr(cfg.model, k, _coerce(v, types[k], f"model.{k}"))
+    cfg.model.preset = Path(name).stem
+
+
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        if "=" not in item:
+            raise UsageError(f"expected key=value, got {item!r}")
+        k, v = item.split("=", 1)
+        if not k:
+            raise UsageError(f"expected key=value, got {item!r}")
+        out[k.strip()] = v.strip()
+    return out
+
+
+def build_config(config_file: str | None = None, overrides: dict[str, Any] | None = None,
+                 base: dict[str, Any] | None = None) -> RunConfig:
+    """Defaults <- ``tiny`` preset <- ``base`` mapping <- config file <- overrides, then validated."""
+    cfg = RunConfig()
+    load_preset(cfg, cfg.model.preset)
+    if base:
+        apply(cfg, base, "study")
+    if config_file:
+        apply(cfg, load_yaml(config_file), str(config_file))
+    if overrides:
+        apply(cfg, overrides, "the command line")
+    return cfg.validate()
+
+
+def from_dict(data: dict[str, Any]) -> RunConfig:
+    """Rebuild a config saved with ``to_dict`` (a run folder's config.yaml), without re-reading presets."""
+    cfg = RunConfig()
+    model = dict(data.get("model", {}))
+    preset = model.pop("preset", cfg.model.preset)
+    apply(cfg, {k: v for k, v in data.items() if k != "model"}, "saved config")
+    types = _section_types(ModelConfig)
+    for k, v in model.items():
+        if k not in types:
+            raise UsageError(f"unknown model key {k!r} in saved config")
+        setattr(cfg.model, k, _coerce(v, types[k], f"model.{k}"))
+    cfg.model.preset = preset
+    return cfg.validate()

@@ -1,0 +1,17 @@
+"""Data for training runs: corpora, tokenisers, the token cache and the Lightning data module.
+
+``load_corpus(cfg, cache_dir)`` gives the (train, val) token streams without Lightning;
+``TokenDataModule`` serves them as batches; ``stdlib_summary()`` describes the default corpus.
+"""
+
+from .cache import CACHE_ENV, cache_root
+from .corpus import Corpus, CorpusInfo, load_corpus
+from .datamodule import TokenDataModule
+from .sampling import train_batch, validation_windows
+from .sources import StdlibSummary, stdlib_files, stdlib_summary
+from .tokenizer import BpeTokenizer, ByteTokenizer, Tokenizer
+
+__all__ = [
+    "CACHE_ENV", "BpeTokenizer", "ByteTokenizer", "Corpus", "CorpusInfo", "StdlibSummary", "TokenDataModule",
+    "Tokenizer", "cache_root", "load_corpus", "stdlib_files", "stdlib_summary", "train_batch", "validation_windows",
+]

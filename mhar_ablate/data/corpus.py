@@ -1,0 +1,184 @@
+"""A corpus as one token stream: built once into the cache, memory-mapped after, split into train and val.
+
+The stream is every document's ids followed by the tokenizer's end-of-document id, in the source's
+fixed order, cut at ``max_tokens``. The held-out validation part is its tail (``val_fraction`` of it),
+so it never overlaps the training part and does not depend on the seed or the model.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+from tqdm import tqdm
+
+from ..config import DataConfig
+from ..errors import UsageError
+from .cache import (CACHE_FORMAT, HashingWriter, cache_root, digest, ensure_dir, exclusive, manifest_path,
+                    read_artifact, write_artifact)
+from .sources import Source, resolve_source
+from .tokenizer import Tokenizer, load_tokenizer, token_dtype
+
+# Documents are tokenised in batches of about this many characters, so that BPE can use every core.
+ENCODE_BATCH_CHARS = 1 << 20
+
+
+def human_count(n: int) -> str:
+    for unit, scale in (("B", 10**9), ("M", 10**6), ("k", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(n)
+
+
+@dataclass(frozen=True)
+class CorpusInfo:
+    """What was loaded, for the CLI, the run's result and the README."""
+
+    label: str  # e.g. "stdlib corpus (Python 3.11.7 standard library, 1,786 files)"
+    documents: int
+    text_bytes: int  # UTF-8 bytes of the documents' text
+    tokens: int  # the whole stream, end-of-document ids included
+    train_tokens: int
+    val_tokens: int  # the held-out tail
+    tokenizer: str  # byte | bpe
+    vocab_size: int
+    path: Path  # the cached token file
+    from_cache: bool  # False when this call tokenised the source
+
+    def describe(self) -> str:
+        return (f"{self.label}: {human_count(self.tokens)} tokens ({human_count(self.train_tokens)} train, "
+                f"{human_count(self.val_tokens)} held out), {self.tokenizer} tokenizer (vocab {self.vocab_size:,})")
+
+
+class Corpus(NamedTuple):
+    train: np.ndarray  # read-only memory map, dtype the smallest unsigned type that holds the vocabulary
+    val: np.ndarray
+    tokenizer: Tokenizer
+    info: CorpusInfo
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    stamp: tuple[int, ...]
+    tokens: np.ndarray
+    manifest: dict[str, Any]
+
+
+# A study runs many trials in one process: each token file is mapped and verified once per process.
+_LOADED: dict[Path, _Loaded] = {}
+
+
+def _stamp(path: Path) -> tuple[int, ...]:
+    """Changes whenever the token file or its manifest is replaced, truncated or removed."""
+    out: list[int] = []
+    for p in (path, manifest_path(path)):
+        try:
+            st = p.stat()
+        except FileNotFoundError:
+            return ()
+        out += [st.st_ino, st.st_size, st.st_mtime_ns]
+    return tuple(out)
+
+
+def _batches(documents: Iterator[str]) -> Iterator[list[str]]:
+    batch: list[str] = []
+    size = 0
+    for text in documents:
+        batch.append(text)
+        size += len(text)
+        if size >= ENCODE_BATCH_CHARS:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+def _write_tokens(out: HashingWriter, source: Source, tokenizer: Tokenizer, max_tokens: int | None) -> dict[str, Any]:
+    dtype = token_dtype(tokenizer.vocab_size)
+    eos = np.array([tokenizer.eos_id], dtype=dtype)
+    limit = max_tokens or sys.maxsize
+    tokens = documents = text_bytes = 0
+    with tqdm(total=source.count_hint, desc=f"tokenising {source.name}", unit=" docs", delay=1.0,
+              file=sys.stderr, dynamic_ncols=True) as bar:
+        for batch in _batches(source.documents()):
+            pieces = []
+            for text, ids in zip(batch, tokenizer.encode_batch(batch), strict=True):
+                piece = np.concatenate([ids.astype(dtype, copy=False), eos])[: limit - tokens]
+                pieces.append(piece)
+                tokens += len(piece)
+                documents += 1
+                text_bytes += len(text.encode("utf-8"))
+                if tokens >= limit:
+                    break
+            out.write(np.concatenate(pieces).tobytes())
+            bar.update(len(pieces))
+            if tokens >= limit:
+                break
+        bar.total = bar.n  # the hint counts inputs, some of which (empty, not UTF-8) hold no document
+    if tokens == 0:
+        raise UsageError(f"data.source {source.name} holds no text")
+    return {"dtype": dtype.name, "tokens": tokens, "documents": documents, "text_bytes": text_bytes,
+            "label": source.label(documents)}
+
+
+def _load_tokens(path: Path, source: Source, tokenizer: Tokenizer, max_tokens: int | None) -> tuple[_Loaded, bool]:
+    """The token stream at ``path``, building it first if the cache lacks a verified copy; and whether cached."""
+    loaded = _LOADED.get(path)
+    if loaded is not None and loaded.stamp == _stamp(path):
+        return loaded, True
+    manifest = read_artifact(path)
+    from_cache = manifest is not None
+    if manifest is None:
+        with exclusive(path):
+            # Another process may have built it while we waited for the lock.
+            manifest = read_artifact(path)
+            from_cache = manifest is not None
+            if manifest is None:
+                manifest = write_artifact(path, partial(_write_tokens, source=source, tokenizer=tokenizer,
+                                                        max_tokens=max_tokens))
+    tokens = np.memmap(path, dtype=np.dtype(manifest["dtype"]), mode="r", shape=(manifest["tokens"],))
+    loaded = _Loaded(_stamp(path), tokens, manifest)
+    _LOADED[path] = loaded
+    return loaded, from_cache
+
+
+def token_path(root: Path, source: Source, tokenizer: Tokenizer, max_tokens: int | None) -> Path:
+    """The cache file for this stream; its name's key covers everything that changes the tokens."""
+    key = digest({"format": CACHE_FORMAT, "source": source.identity, "tokenizer": tokenizer.spec(),
+                  "max_tokens": max_tokens})
+    vocab = "" if tokenizer.name == "byte" else str(tokenizer.vocab_size)
+    return root / "tokens" / f"{source.slug}-{tokenizer.name}{vocab}-{key[:16]}.bin"
+
+
+def load_corpus(cfg: DataConfig, cache_dir: str | Path) -> Corpus:
+    """Tokens of ``cfg.source`` split into (train, val), with the tokenizer and a description.
+
+    The cache root is ``$MHAR_ABLATE_CACHE`` if set, else ``cache_dir``. The first call builds the
+    cache (seconds for the stdlib corpus); later calls map it, and repeated calls in one process reuse
+    the mapping.
+    """
+    root = ensure_dir(cache_root(cache_dir))
+    source = resolve_source(cfg, root)
+    tokenizer = load_tokenizer(cfg.tokenizer, cfg.vocab_size, source, root)
+    path = token_path(root, source, tokenizer, cfg.max_tokens)
+    loaded, from_cache = _load_tokens(path, source, tokenizer, cfg.max_tokens)
+    tokens = loaded.tokens
+    split = len(tokens) - int(len(tokens) * cfg.val_fraction)
+    info = CorpusInfo(
+        label=loaded.manifest["label"],
+        documents=loaded.manifest["documents"],
+        text_bytes=loaded.manifest["text_bytes"],
+        tokens=len(tokens),
+        train_tokens=split,
+        val_tokens=len(tokens) - split,
+        tokenizer=tokenizer.name,
+        vocab_size=tokenizer.vocab_size,
+        path=path,
+        from_cache=from_cache,
+    )
+    return Corpus(tokens[:split], tokens[split:], tokenizer, info)

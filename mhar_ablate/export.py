@@ -1,0 +1,377 @@
+"""Ablation tables and plots from a finished (or unfinished) study.
+
+One row per arm: validation loss at equal steps (the largest step every arm reached) and at equal
+training time (the largest training time every arm reached), mean ± std over seeds with n; the paired
+difference to the baseline arm with a 95 % t-interval over seeds; throughput relative to the baseline;
+peak memory; parameter overhead. The lowest loss in each loss column is marked. Diverged trials are
+counted but left out of the equal-step/equal-time points (their curves end early).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import UsageError
+from .io import write_bytes, write_text
+
+FORMATS = ("md", "latex", "csv", "json")
+EXT = {"md": "md", "latex": "tex", "csv": "csv", "json": "json"}
+# Two-sided 95 % Student t quantiles for 1..30 degrees of freedom (normal beyond).
+T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+       2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+@dataclass
+class TrialData:
+    arm: str
+    seed: int
+    status: str
+    curve: list[tuple[float, float, float, float]]  # (step, seconds, tokens, val_loss)
+    tokens_per_s: float | None
+    peak_mem_gb: float | None
+    params: int | None
+    overhead_pct: float | None
+    device: str
+    backend: str
+
+    @property
+    def usable(self) -> bool:
+        return self.status == "completed" and len(self.curve) > 0
+
+
+@dataclass
+class StudyTable:
+    name: str
+    budget: str
+    description: str
+    baseline: str | None
+    at_step: float
+    at_seconds: float
+    rows: list[dict[str, Any]]
+    missing: list[str]
+    trials: dict[str, list[TrialData]] = field(repr=False, default_factory=dict)
+    curve_values: dict[str, Any] = field(default_factory=dict)
+    curve_key: str | None = None
+    device: str = ""
+    backend_note: str = ""
+
+
+def _num(v: Any) -> float | None:
+    if v is None:
+        return None
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def collect(study) -> tuple[dict[str, list[TrialData]], list[str]]:
+    """Finished trials per arm (latest per grid point) and a description of every missing point."""
+    attrs = study.user_attrs
+    arms, seeds = list(attrs.get("arms", [])), int(attrs.get("seeds", 0))
+    latest: dict[tuple[str, int], Any] = {}
+    for t in study.get_trials(deepcopy=False):
+        if "arm" not in t.params:
+            continue
+        key = (t.params["arm"], t.params["seed"])
+        prev = latest.get(key)
+        finished = t.state.name in ("COMPLETE", "PRUNED")
+        if prev is None or finished or prev.state.name not in ("COMPLETE", "PRUNED"):
+            latest[key] = t
+    by_arm: dict[str, list[TrialData]] = {a: [] for a in arms}
+    missing: list[str] = []
+    for arm in arms:
+        for seed in range(seeds):
+            t = latest.get((arm, seed))
+            if t is None or t.state.name not in ("COMPLETE", "PRUNED"):
+                why = "not started" if t is None else {"RUNNING": "running", "FAIL": "crashed or interrupted",
+                                                       "WAITING": "waiting"}.get(t.state.name, t.state.name.lower())
+                missing.append(f"{arm} seed {seed} ({why})")
+                continue
+            u = t.user_attrs
+            curve = [tuple(float(x) for x in p) for p in u.get("curve", [])]
+            by_arm[arm].append(TrialData(arm, seed, u.get("status", "pruned" if t.state.name == "PRUNED" else "completed"),
+                                         curve, _num(u.get("tokens_per_s")), _num(u.get("peak_mem_gb")), u.get("params"),
+                                         _num(u.get("param_overhead_pct")), u.get("device", ""), u.get("routing_backend", "")))
+    return by_arm, missing
+
+
+def interpolate(curve: list[tuple[float, ...]], axis: int, x: float) -> float:
+    """Validation loss at ``x`` along the curve's ``axis`` (0 = steps, 1 = seconds), linear between evaluations."""
+    pts = [(p[axis], p[3]) for p in curve]
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return pts[-1][1]
+
+
+def _mean_std(xs: list[float]) -> tuple[float, float]:
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
+
+
+def _paired(arm: list[TrialData], base: list[TrialData], axis: int, x: float) -> tuple[float, float, int] | None:
+    """Mean paired difference (arm - baseline) over shared seeds, with the 95 % CI half-width."""
+    b = {t.seed: t for t in base if t.usable}
+    diffs = [interpolate(t.curve, axis, x) - interpolate(b[t.seed].curve, axis, x) for t in arm if t.usable and t.seed in b]
+    if not diffs:
+        return None
+    m = statistics.fmean(diffs)
+    if len(diffs) < 2:
+        return m, math.nan, 1
+    half = T95[min(len(diffs) - 2, len(T95) - 1)] * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    return m, half, len(diffs)
+
+
+def build_table(study) -> StudyTable:
+    attrs = study.user_attrs
+    trials, missing = collect(study)
+    usable = [t for ts in trials.values() for t in ts if t.usable]
+    if not usable:
+        raise UsageError(f"study {study.study_name} has no finished trials yet" +
+                         (f"; missing: {', '.join(missing)}" if missing else ""))
+    at_step = min(t.curve[-1][0] for t in usable)
+    at_seconds = min(t.curve[-1][1] for t in usable)
+    base_name = attrs.get("baseline")
+    base = trials.get(base_name, []) if base_name else []
+    base_tps = [t.tokens_per_s for t in base if t.usable and t.tokens_per_s]
+    rows = []
+    for arm, ts in trials.items():
+        ok = [t for t in ts if t.usable]
+        row: dict[str, Any] = {"arm": arm, "n": len(ok), "diverged": sum(t.status == "diverged" for t in ts),
+                               "pruned": sum(t.status == "pruned" for t in ts)}
+        if ok:
+            row["loss_at_steps"] = _mean_std([interpolate(t.curve, 0, at_step) for t in ok])
+            row["loss_at_time"] = _mean_std([interpolate(t.curve, 1, at_seconds) for t in ok])
+            tps = [t.tokens_per_s for t in ok if t.tokens_per_s]
+            row["tokens_per_s"] = statistics.fmean(tps) if tps else None
+            row["throughput_vs_baseline"] = (row["tokens_per_s"] / statistics.fmean(base_tps)) if tps and base_tps else None
+            mem = [t.peak_mem_gb for t in ok if t.peak_mem_gb]
+            row["peak_mem_gb"] = max(mem) if mem else None
+            row["param_overhead_pct"] = ok[0].overhead_pct
+            row["params"] = ok[0].params
+            if base_name and arm != base_name:
+                row["delta_at_steps"] = _paired(ok, base, 0, at_step)
+                row["delta_at_time"] = _paired(ok, base, 1, at_seconds)
+        rows.append(row)
+    for col in ("loss_at_steps", "loss_at_time"):
+        vals = [r[col][0] for r in rows if col in r]
+        if vals:
+            best = min(vals)
+            for r in rows:
+                r[f"best_{col}"] = col in r and r[col][0] == best
+    devices = sorted({t.device for t in usable if t.device})
+    backends = sorted({t.backend for t in usable if t.backend not in ("", "none")})
+    note = ""
+    if devices == ["cpu"] and backends:
+        note = (f"Timed on the CPU with the {'/'.join(backends)} router: wall-clock comparisons measure PyTorch on the "
+                "CPU, not the fused GPU kernel.")
+    return StudyTable(attrs.get("study", study.study_name), attrs.get("budget", ""), attrs.get("description", ""),
+                      base_name, at_step, at_seconds, rows, missing, trials, attrs.get("curve_values", {}),
+                      attrs.get("curve"), ", ".join(devices), note)
+
+
+# --------------------------------------------------------------------------- rendering
+
+HEADERS = ["arm", "n", "val loss @ {steps} steps", "Δ vs baseline", "val loss @ {time}", "Δ vs baseline",
+           "throughput vs baseline", "peak mem (GB)", "params Δ"]
+
+
+def _fmt_time(s: float) -> str:
+    return f"{s:.1f}s" if s < 120 else (f"{s / 60:.1f}min" if s < 7200 else f"{s / 3600:.2f}h")
+
+
+def _cells(table: StudyTable, row: dict[str, Any], bold) -> list[str]:
+    def loss(col):
+        if col not in row:
+            return "–"
+        m, s = row[col]
+        text = f"{m:.4f} ± {s:.4f}"
+        return bold(text) if row.get(f"best_{col}") else text
+
+    def delta(col):
+        d = row.get(col)
+        if d is None:
+            return "–" if row["arm"] != table.baseline else "(baseline)"
+        m, half, n = d
+        return f"{m:+.4f}" + (f" [{m - half:+.4f}, {m + half:+.4f}]" if not math.isnan(half) else " (n=1)")
+
+    tvb = row.get("throughput_vs_baseline")
+    mem = row.get("peak_mem_gb")
+    pct = row.get("param_overhead_pct")
+    n = f"{row['n']}" + (f" (+{row['diverged']} diverged)" if row["diverged"] else "") + (
+        f" (+{row['pruned']} pruned)" if row["pruned"] else "")
+    return [row["arm"], n, loss("loss_at_steps"), delta("delta_at_steps"), loss("loss_at_time"), delta("delta_at_time"),
+            f"{tvb:.2f}×" if tvb else "–", f"{mem:.1f}" if mem else "–", f"{pct:+.3f} %" if pct is not None else "–"]
+
+
+def _headers(table: StudyTable) -> list[str]:
+    return [h.format(steps=int(table.at_step), time=_fmt_time(table.at_seconds)) for h in HEADERS]
+
+
+def render(table: StudyTable, fmt: str) -> str:
+    if fmt == "md":
+        head = _headers(table)
+        lines = [f"### {table.name} ({table.budget} budget)", "", table.description, "",
+                 "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+        lines += ["| " + " | ".join(_cells(table, r, lambda s: f"**{s}**")) + " |" for r in table.rows]
+        lines += ["", "Mean ± std over seeds; Δ is the paired difference to the baseline arm with its 95 % "
+                  "t-interval over seeds; bold marks the lowest loss in a column."]
+        if table.backend_note:
+            lines.append(table.backend_note)
+        if table.missing:
+            lines.append(f"Missing trials: {', '.join(table.missing)}.")
+        return "\n".join(lines) + "\n"
+    if fmt == "latex":
+        esc = lambda s: s.replace("%", r"\%").replace("_", r"\_").replace("±", r"$\pm$").replace("×", r"$\times$").replace("Δ", r"$\Delta$").replace("–", "--")
+        head = [esc(h) for h in _headers(table)]
+        lines = [r"\begin{table}[t]", r"\centering", r"\small", r"\begin{tabular}{l" + "r" * (len(head) - 1) + "}",
+                 r"\toprule", " & ".join(head) + r" \\", r"\midrule"]
+        lines += [" & ".join(esc(c) if not c.startswith(r"\textbf") else c for c in _cells(
+            table, r, lambda s: r"\textbf{" + esc(s) + "}")) + r" \\" for r in table.rows]
+        lines += [r"\bottomrule", r"\end{tabular}",
+                  r"\caption{" + esc(f"{table.name}, {table.budget} budget. Mean ± std over seeds; Δ: paired difference "
+                                     "to the baseline with a 95 % t-interval; bold: lowest loss.") + "}", r"\end{table}"]
+        return "\n".join(lines) + "\n"
+    if fmt == "csv":
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        w.writerow(["arm", "n", "diverged", "loss_at_steps_mean", "loss_at_steps_std", "delta_at_steps", "delta_at_steps_ci95",
+                    "loss_at_time_mean", "loss_at_time_std", "delta_at_time", "delta_at_time_ci95", "throughput_vs_baseline",
+                    "tokens_per_s", "peak_mem_gb", "param_overhead_pct", "best_at_steps", "best_at_time", "at_step", "at_seconds"])
+        for r in table.rows:
+            ls, lt = r.get("loss_at_steps", (None, None)), r.get("loss_at_time", (None, None))
+            ds, dt = r.get("delta_at_steps") or (None, None, 0), r.get("delta_at_time") or (None, None, 0)
+            w.writerow([r["arm"], r["n"], r["diverged"], *ls, ds[0], ds[1], *lt, dt[0], dt[1], r.get("throughput_vs_baseline"),
+                        r.get("tokens_per_s"), r.get("peak_mem_gb"), r.get("param_overhead_pct"),
+                        r.get("best_loss_at_steps", False), r.get("best_loss_at_time", False), table.at_step, table.at_seconds])
+        return buf.getvalue()
+    if fmt == "json":
+        def clean(v):
+            if isinstance(v, float) and not math.isfinite(v):
+                return None
+            if isinstance(v, (list, tuple)):
+                return [clean(x) for x in v]
+            return v
+        return json.dumps({"study": table.name, "budget": table.budget, "description": table.description,
+                           "baseline": table.baseline, "at_step": table.at_step, "at_seconds": table.at_seconds,
+                           "missing": table.missing, "note": table.backend_note,
+                           "rows": [{k: clean(v) for k, v in r.items()} for r in table.rows]}, indent=2) + "\n"
+    raise UsageError(f"unknown format {fmt!r}: choose one of {', '.join(FORMATS)}")
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def _time_unit(seconds: float) -> tuple[float, str]:
+    if seconds >= 2 * 3600:
+        return 3600.0, "hours"
+    if seconds >= 120:
+        return 60.0, "minutes"
+    return 1.0, "seconds"
+
+
+def save_plots(table: StudyTable, folder: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written: list[Path] = []
+    longest = max((t.curve[-1][1] for ts in table.trials.values() for t in ts if t.usable), default=1.0)
+    scale, unit = _time_unit(longest)
+    for axis, fname, xlabel in ((0, "loss_vs_steps.png", "optimiser step"),
+                                (1, "loss_vs_time.png", f"training time ({unit})")):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for arm, ts in table.trials.items():
+            ok = [t for t in ts if t.usable]
+            if not ok:
+                continue
+            end = min(t.curve[-1][axis] for t in ok)
+            xs = [end * i / 50 for i in range(51)]
+            ys = [[interpolate(t.curve, axis, x) for x in xs] for t in ok]
+            mean = [statistics.fmean(col) for col in zip(*ys)]
+            px = [x / scale for x in xs] if axis == 1 else xs
+            (line,) = ax.plot(px, mean, label=arm, lw=1.6, ls="--" if arm == table.baseline else "-")
+            if len(ok) > 1:
+                ax.fill_between(px, [min(c) for c in zip(*ys)], [max(c) for c in zip(*ys)], color=line.get_color(), alpha=0.15)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("validation loss")
+        ax.set_title(f"{table.name} ({table.budget} budget): loss per {'step' if axis == 0 else 'unit of training time'}")
+        _zoom(ax, table)
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        written.append(_save(fig, folder / fname))
+        plt.close(fig)
+    points = {arm: v for arm, v in table.curve_values.items() if v is not None}
+    if points:
+        fig, ax = plt.subplots(figsize=(5.6, 4.0))
+        rows = {r["arm"]: r for r in table.rows}
+        for col, label in (("loss_at_steps", f"at {int(table.at_step)} steps"), ("loss_at_time", f"at {_fmt_time(table.at_seconds)}")):
+            arms = sorted((a for a in points if col in rows.get(a, {})), key=lambda a: points[a])
+            if not arms:
+                continue
+            xs = [points[a] for a in arms]
+            line = ax.errorbar(xs, [rows[a][col][0] for a in arms], yerr=[rows[a][col][1] for a in arms], marker="o",
+                               capsize=3, label=label)
+            base = rows.get(table.baseline or "", {})
+            if col in base:
+                ax.axhline(base[col][0], ls="--", lw=1, color=line[0].get_color(), alpha=0.7, label=f"baseline {label}")
+        what = "routing heads H" if table.curve_key == "residual.heads" else str(table.curve_key)
+        if all(isinstance(v, (int, float)) and v > 0 for v in points.values()):
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel(what)
+        ax.set_ylabel("validation loss")
+        ax.set_title(f"{table.name}: loss against {what}")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        written.append(_save(fig, folder / f"{table.name}_curve.png"))
+        plt.close(fig)
+    return written
+
+
+def _zoom(ax, table: StudyTable) -> None:
+    """Early losses dwarf the differences between arms: show the last 80 % of the range of final losses."""
+    finals = [t.curve[-1][3] for ts in table.trials.values() for t in ts if t.usable]
+    starts = [t.curve[min(1, len(t.curve) - 1)][3] for ts in table.trials.values() for t in ts if t.usable]
+    if finals and starts:
+        lo, hi = min(finals), max(starts)
+        if hi > lo:
+            ax.set_ylim(lo - 0.05 * (hi - lo), hi)
+
+
+def _save(fig, path: Path) -> Path:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    write_bytes(path, buf.getvalue())
+    return path
+
+
+def export(study, fmt: str, folder: Path) -> tuple[str, list[Path]]:
+    """Render ``study`` as ``fmt``; write the table and the plots into ``folder``; return (text, files)."""
+    table = build_table(study)
+    text = render(table, fmt)
+    path = folder / f"table.{EXT[fmt]}"
+    write_text(path, text)
+    return text, [path, *save_plots(table, folder)]
+
+
+def verdicts(tables: list[StudyTable]) -> str:
+    """When a study ran under both budgets: the best arm by each measure, side by side."""
+    lines = []
+    for t in tables:
+        for col, what in (("loss_at_steps", f"at {int(t.at_step)} steps"), ("loss_at_time", f"at {_fmt_time(t.at_seconds)}")):
+            ranked = sorted((r for r in t.rows if col in r), key=lambda r: r[col][0])
+            if ranked:
+                lines.append(f"{t.budget} budget, {what}: " + " < ".join(r["arm"] for r in ranked))
+    return "\n".join(lines)

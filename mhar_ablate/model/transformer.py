@@ -1,0 +1,163 @@
+"""A Qwen3-style decoder whose residual stream is pluggable (see ``residual/``).
+
+RMSNorm, rotary embeddings, grouped-query attention with per-head QK-norm through
+``scaled_dot_product_attention``, a SwiGLU MLP and tied input/output embeddings. Sublayers are pre-norm;
+what they read and how their outputs are kept is the residual variant's business.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..config import ModelConfig, ResidualConfig
+from .residual import Residual, build_residual
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Normalise in fp32: under bf16 autocast the mean of squares loses too many bits.
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)  # the half-split layout Qwen3 uses
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv = cfg.n_heads, cfg.n_kv_heads
+        self.head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.q_proj = nn.Linear(cfg.d_model, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        h = self.norm(x)
+        q = self.q_norm(self.q_proj(h).view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(h).view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(h).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.n_kv != self.n_heads:
+            # Explicit repeat rather than enable_gqa: it works on every SDPA backend, CPU included.
+            rep = self.n_heads // self.n_kv
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.gate = nn.Linear(cfg.d_model, cfg.ffn, bias=False)
+        self.up = nn.Linear(cfg.d_model, cfg.ffn, bias=False)
+        self.down = nn.Linear(cfg.ffn, cfg.d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm(x)
+        return self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Decoder(nn.Module):
+    """Token ids (B, T) -> logits (B, T, vocab)."""
+
+    def __init__(self, cfg: ModelConfig, residual: ResidualConfig, vocab_size: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        vocab = vocab_size or cfg.vocab_size
+        if not vocab:
+            raise ValueError("the vocabulary size is unknown: set model.vocab_size or pass the tokenizer's")
+        self.vocab_size = vocab
+        self.embed = nn.Embedding(vocab, cfg.d_model)
+        self.sublayers = nn.ModuleList()
+        for _ in range(cfg.n_layers):
+            self.sublayers.append(Attention(cfg))
+            self.sublayers.append(MLP(cfg))
+        self.residual: Residual = build_residual(residual, cfg)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
+        cos, sin = rope_tables(cfg.seq_len, head_dim, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # GPT-2/nanoGPT style: N(0, 0.02), output projections scaled down with depth.
+        for name, p in self.named_parameters():
+            if p.dim() == 2 and not name.startswith("residual."):
+                std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("o_proj.weight", "down.weight")) else 0.02
+                nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        T = idx.shape[1]
+        if T > self.rope_cos.shape[0]:
+            raise ValueError(f"sequence of {T} tokens is longer than model.seq_len={self.rope_cos.shape[0]}")
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        state = self.residual.start(self.embed(idx))
+        for site, layer in enumerate(self.sublayers):
+            x = self.residual.read(state, site)
+            out = layer(x, cos, sin) if isinstance(layer, Attention) else layer(x)
+            self.residual.write(state, site, out)
+        h = self.norm(self.residual.finish(state))
+        return F.linear(h, self.embed.weight)
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """AdamW groups: matrices decay; norms, embeddings' gains and all routing parameters do not."""
+        routing = {id(p) for p in self.residual.routing_parameters()}
+        decay, no_decay, route = [], [], []
+        for name, p in self.named_parameters():
+            if not p.requires_grad:
+                continue
+            if id(p) in routing:
+                route.append(p)
+            elif p.dim() >= 2:
+                decay.append(p)
+            else:
+                no_decay.append(p)
+        groups = [
+            {"name": "decay", "params": decay, "weight_decay": weight_decay},
+            {"name": "no_decay", "params": no_decay, "weight_decay": 0.0},
+        ]
+        if route:
+            groups.append({"name": "routing (no decay)", "params": route, "weight_decay": 0.0})
+        return groups
+
+
+def count_parameters(cfg: ModelConfig, residual: ResidualConfig, vocab_size: int | None = None) -> int:
+    """Parameter count computed on the meta device: free even for the paper's 1B shape."""
+    with torch.device("meta"):
+        model = Decoder(cfg, residual, vocab_size)
+    return sum(p.numel() for p in model.parameters())
+
+
+def routing_overhead(cfg: ModelConfig, residual: ResidualConfig, vocab_size: int | None = None) -> tuple[int, int, float]:
+    """(parameters, baseline parameters, overhead in percent) for the same shape."""
+    base = ResidualConfig(kind="baseline")
+    n = count_parameters(cfg, residual, vocab_size)
+    nb = count_parameters(cfg, base, vocab_size)
+    return n, nb, 100.0 * (n - nb) / nb

@@ -1,0 +1,1 @@
+"""Reporting: routing heatmaps, study tables and plots."""

@@ -1,0 +1,253 @@
+"""Callbacks that make a run a measurement: the budget (clock, schedule progress, evaluations, stopping,
+checkpoints), the TensorBoard series that a study compares, and a progress bar.
+
+TensorBoard conventions (the README lists them): ``*/loss`` tags use the optimiser step as their step;
+``*/loss_per_hour`` tags use whole training seconds as their step and are written with a wall time of
+(run origin + training seconds), so TensorBoard's "Relative" horizontal axis reads as training hours.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import lightning as L
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import UsageError
+from .budget import Budget, format_seconds
+from .module import LMModule
+
+EMA = 0.9  # smoothing of the train loss plotted per hour
+
+
+class StopRequest:
+    """Set from a signal handler; read between steps, so a stop never lands mid-update."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.signal is not None
+
+
+class BudgetCallback(L.Callback):
+    def __init__(self, budget: Budget, eval_every: int, heatmap_every: int, val_batches: Callable[[], Iterable],
+                 checkpoint: Path, tokens_per_step: int, flops_per_token: float,
+                 on_eval: Callable[[int, float, float], bool] | None = None, stop: StopRequest | None = None,
+                 log: Callable[[str], None] | None = print, title: str = ""):
+        self.budget, self.eval_every, self.heatmap_every = budget, eval_every, heatmap_every
+        self.val_batches, self.checkpoint = val_batches, checkpoint
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.on_eval, self.stop, self.emit, self.title = on_eval, stop if stop is not None else StopRequest(), log, title
+        self.curve: list[dict[str, float]] = []
+        self.next_eval = 0
+        self.ema: float | None = None
+        self.origin = time.time()
+        self.status = "running"
+        self.reason = ""
+        self.throughput: float | None = None  # tokens per training second, smoothed
+        self.peak_mem_gb: float | None = None
+
+    # ------------------------------------------------------------------ state carried by checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return {"curve": self.curve, "next_eval": self.next_eval, "ema": self.ema, "origin": self.origin,
+                "throughput": self.throughput}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.curve = list(state["curve"])
+        self.next_eval, self.ema, self.origin = state["next_eval"], state["ema"], state["origin"]
+        self.throughput = state.get("throughput")
+
+    # ------------------------------------------------------------------ hooks
+    def on_train_start(self, trainer: L.Trainer, module: LMModule) -> None:
+        self._warm_up(trainer, module)
+        if self.next_eval == 0:
+            self._evaluate(trainer, module)
+
+    def on_train_batch_start(self, trainer, module: LMModule, batch, batch_idx) -> None:
+        module.clock.start()
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: LMModule, outputs, batch, batch_idx) -> None:
+        dt = module.clock.stop()
+        step, seconds = trainer.global_step, module.clock.elapsed
+        self._log_step(trainer, module, step, seconds, dt)
+        if module.diverged:
+            self._finish(trainer, module, "diverged", module.diverged, evaluate=False)
+            return
+        progress = self.budget.progress(step, seconds)
+        due = progress >= self.next_eval / self.eval_every
+        if due or self.budget.exhausted(step, seconds):
+            self._evaluate(trainer, module)
+            if self.status != "running":
+                return
+        if self.budget.exhausted(step, seconds):
+            self._finish(trainer, module, "completed", "", evaluate=False)
+        elif self.stop:
+            self._finish(trainer, module, "interrupted", f"stopped by {self.stop.signal}", evaluate=False)
+        elif due:
+            self._save(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, module: LMModule) -> None:
+        if self.status == "running":  # Lightning stopped first (max_steps): same end as our own check
+            if not self.curve or self.curve[-1]["step"] != trainer.global_step:
+                self._evaluate(trainer, module)
+            if self.status == "running":
+                self._finish(trainer, module, "completed", "", evaluate=False)
+
+    # ------------------------------------------------------------------ pieces
+    def _warm_up(self, trainer: L.Trainer, module: LMModule) -> None:
+        """One forward/backward outside the clock: compilation, autotuning and lazy allocation happen
+        here, not on an arm's budget. Gradients are dropped, so the weights are untouched."""
+        x, y = next(iter(self.val_batches()))
+        module.train()
+        with trainer.precision_plugin.forward_context():
+            loss = module.loss((x.to(module.device), y.to(module.device)))
+        loss.backward()
+        module.zero_grad(set_to_none=True)
+        if module.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    def _evaluate(self, trainer: L.Trainer, module: LMModule) -> None:
+        step, seconds = trainer.global_step, module.clock.elapsed
+        loss = module.evaluate(self.val_batches())
+        self.next_eval = math.floor(self.budget.progress(step, seconds) * self.eval_every) + 1
+        point = {"step": step, "seconds": seconds, "tokens": step * self.tokens_per_step, "val_loss": loss}
+        self.curve.append(point)
+        writer = _writer(trainer)
+        if writer is not None:
+            writer.add_scalar("val/loss", loss, step)
+            writer.add_scalar("val/loss_per_hour", loss, int(round(seconds)), walltime=self.origin + seconds)
+            writer.add_scalar("val/loss_per_token", loss, step * self.tokens_per_step)
+        final = self.budget.exhausted(step, seconds)
+        if writer is not None and (final or (len(self.curve) - 1) % self.heatmap_every == 0):
+            self._heatmap(writer, module, step)
+        left = self._remaining(step, seconds)
+        if self.emit is not None:
+            self.emit(f"{self.title}eval {len(self.curve)}: step {step}, {format_seconds(seconds)} trained, "
+                      f"val loss {loss:.4f}{', ' + left if left else ''}")
+        if not math.isfinite(loss):
+            self._finish(trainer, module, "diverged", f"validation loss became {loss} at step {step}", evaluate=False)
+        elif self.on_eval is not None and self.on_eval(step, seconds, loss):
+            self._finish(trainer, module, "pruned", f"pruned at step {step}", evaluate=False)
+
+    def _heatmap(self, writer, module: LMModule, step: int) -> None:
+        weights = module.model.residual.last_weights()
+        if weights is None:
+            return
+        from ..reporting.heatmap import routing_image
+
+        # rows: routing sites (last = final), columns: sources (0 = embedding), one panel per head
+        writer.add_image("routing/depth_weights", routing_image(weights), step, dataformats="HWC")
+
+    def _log_step(self, trainer: L.Trainer, module: LMModule, step: int, seconds: float, dt: float) -> None:
+        loss = module.last_loss
+        if dt > 0:
+            rate = self.tokens_per_step / dt
+            self.throughput = rate if self.throughput is None else 0.9 * self.throughput + 0.1 * rate
+        if module.device.type == "cuda":
+            self.peak_mem_gb = torch.cuda.max_memory_allocated() / 1e9
+        writer = _writer(trainer)
+        if writer is None or loss is None or not math.isfinite(loss):
+            return
+        self.ema = loss if self.ema is None else EMA * self.ema + (1 - EMA) * loss
+        writer.add_scalar("train/loss", loss, step)
+        writer.add_scalar("train/loss_per_hour", self.ema, int(round(seconds)), walltime=self.origin + seconds)
+        writer.add_scalar("train/lr", module.cfg.optim.lr * module.current_lr_factor(), step)
+        if step % 10 == 0 and self.throughput:
+            writer.add_scalar("perf/tokens_per_s", self.throughput, step)
+            writer.add_scalar("perf/step_ms", 1000 * self.tokens_per_step / self.throughput, step)
+            if module.device.type == "cuda":
+                writer.add_scalar("perf/peak_mem_gb", self.peak_mem_gb, step)
+                peak = _peak_flops(module.device)
+                if peak:
+                    writer.add_scalar("perf/mfu", self.throughput * self.flops_per_token / peak, step)
+
+    def _remaining(self, step: int, seconds: float) -> str:
+        if self.budget.kind == "steps":
+            return f"{max(self.budget.steps - step, 0)} steps left"
+        return f"{format_seconds(max(self.budget.seconds - seconds, 0))} left"
+
+    def _save(self, trainer: L.Trainer) -> None:
+        """Checkpoint atomically: a kill mid-write leaves the previous checkpoint intact."""
+        self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.checkpoint.with_name(self.checkpoint.name + ".tmp")
+        try:
+            trainer.save_checkpoint(tmp)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, self.checkpoint)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            if e.errno == errno.ENOSPC:
+                raise UsageError(f"no space left on device while writing {self.checkpoint}") from None
+            raise
+
+    def _finish(self, trainer: L.Trainer, module: LMModule, status: str, reason: str, evaluate: bool) -> None:
+        self.status, self.reason = status, reason
+        trainer.should_stop = True
+        if status in ("completed", "interrupted"):
+            self._save(trainer)
+        if reason and self.emit is not None:
+            self.emit(f"{self.title}{status}: {reason}")
+
+
+class ProgressBar(L.Callback):
+    """One bar per run: budget consumed, with loss, tokens/s and what is left."""
+
+    def __init__(self, budget: Budget, budget_cb: BudgetCallback, desc: str = "train", position: int = 0):
+        self.budget, self.cb, self.desc, self.position = budget, budget_cb, desc, position
+        self.bar: tqdm | None = None
+
+    def on_train_start(self, trainer, module: LMModule) -> None:
+        total = self.budget.steps if self.budget.kind == "steps" else round(self.budget.seconds)
+        unit = "step" if self.budget.kind == "steps" else "s"
+        self.bar = tqdm(total=total, desc=self.desc, unit=unit, leave=False, position=self.position,
+                        dynamic_ncols=True, file=sys.stderr, mininterval=0.5, disable=not sys.stderr.isatty())
+        self._update(trainer, module)
+
+    def on_train_batch_end(self, trainer, module: LMModule, outputs, batch, batch_idx) -> None:
+        self._update(trainer, module)
+
+    def _update(self, trainer, module: LMModule) -> None:
+        if self.bar is None:
+            return
+        done = trainer.global_step if self.budget.kind == "steps" else min(module.clock.elapsed, self.budget.seconds)
+        self.bar.n = round(done) if self.budget.kind == "wallclock" else done
+        post = {}
+        if module.last_loss is not None:
+            post["loss"] = f"{module.last_loss:.3f}"
+        if self.cb.throughput:
+            post["tok/s"] = f"{self.cb.throughput:,.0f}"
+        post["left"] = self.cb._remaining(trainer.global_step, module.clock.elapsed)
+        self.bar.set_postfix(post, refresh=False)
+        self.bar.refresh()
+
+    def on_train_end(self, trainer, module) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def on_exception(self, trainer, module, exception) -> None:
+        self.on_train_end(trainer, module)
+
+
+def _writer(trainer: L.Trainer):
+    logger = trainer.logger
+    return getattr(logger, "experiment", None) if logger is not None else None
+
+
+def _peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak by the vendor's datasheet, for model FLOP utilisation; None when unknown."""
+    name = torch.cuda.get_device_name(device)
+    for key, peak in (("H200", 989e12), ("H100", 989e12), ("A100", 312e12), ("L40", 181e12), ("4090", 165e12)):
+        if key in name:
+            return peak
+    return None

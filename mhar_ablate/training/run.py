@@ -1,0 +1,230 @@
+"""One training run, start to finish: a run folder (config, TensorBoard events, checkpoint, result),
+the data, the Lightning Trainer, resume from the folder's own checkpoint, and a result that studies read.
+
+A run folder holds ``config.yaml`` (the resolved configuration), ``tb/`` (TensorBoard), ``checkpoints/
+last.ckpt`` (written atomically), ``result.json`` (status, the (step, seconds, tokens, loss) curve,
+throughput, memory, parameters) and ``routing.png`` (the final depth weights of a routed model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import signal
+import time
+import warnings
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import lightning as L
+import torch
+import yaml
+from lightning.pytorch.loggers import TensorBoardLogger
+
+from ..config import RunConfig, from_dict
+from ..errors import UsageError
+from ..io import write_json, write_text
+from ..model import routing_overhead
+from .budget import Budget
+from .callbacks import BudgetCallback, ProgressBar, StopRequest
+from .module import LMModule
+
+CHECKPOINT = Path("checkpoints") / "last.ckpt"
+
+
+def quiet_lightning() -> None:
+    """Lightning's banner lines and advice about worker counts drown the progress display."""
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    for pattern in (".*does not have many workers.*", ".*val_dataloader.*", ".*validation_step.*",
+                    ".*LeafSpec.*", ".*is an invalid version.*", ".*tensorboardX.*", ".*resuming from a checkpoint.*",
+                    ".*Starting from v1.9.0.*", ".*number of training batches.*", ".*returned `None`.*"):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+def arm_label(cfg: RunConfig) -> str:
+    """What an arm is, in a few characters: baseline, attnres, mhar-h8, mhar-h8-block:4, ..."""
+    r = cfg.residual
+    if r.kind == "baseline":
+        return "baseline"
+    label = "attnres" if r.kind == "attnres" else f"mhar-h{r.resolved_heads()}"
+    if r.grouping != "full":
+        label += f"-{r.grouping}"
+    if r.query_init != "zeros":
+        label += f"-q{r.query_init}"
+    return label
+
+
+def new_run_dir(output: Path, cfg: RunConfig) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = output / "runs" / f"{stamp}-{arm_label(cfg).replace(':', '')}-s{cfg.seed}"
+    run_dir, n = base, 1
+    while run_dir.exists():
+        n += 1
+        run_dir = base.with_name(f"{base.name}-{n}")
+    return run_dir
+
+
+def find_run(output: Path, name: str) -> Path:
+    for cand in (Path(name), output / "runs" / name, output / name):
+        if (cand / "config.yaml").is_file():
+            return cand
+    raise UsageError(f"no run {name!r} under {output / 'runs'} (a run folder holds config.yaml)")
+
+
+def load_run_config(run_dir: Path) -> RunConfig:
+    try:
+        data = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise UsageError(f"cannot read {run_dir / 'config.yaml'}: {e}") from None
+    return from_dict(data)
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[StopRequest]:
+    """SIGINT/SIGTERM ask the run to stop after the current step (checkpoint first); a second SIGINT
+    stops at once. Handlers are restored afterwards, and only the main thread can install them."""
+    stop = StopRequest()
+
+    def handler(signum, frame):
+        if stop and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        stop.signal = signal.Signals(signum).name
+
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield stop
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def flops_per_token(cfg: RunConfig, params: int) -> float:
+    """Approximate training FLOPs per token: 6 per parameter plus attention's quadratic term."""
+    head_dim = cfg.model.head_dim or cfg.model.d_model // cfg.model.n_heads
+    attn = 6 * cfg.model.n_layers * cfg.model.n_heads * head_dim * cfg.model.seq_len
+    return 6.0 * params + attn
+
+
+def precision_for(cfg: RunConfig) -> str:
+    p = cfg.train.precision
+    if p == "auto":
+        return "bf16-mixed" if torch.cuda.is_available() else "32-true"
+    return {"fp32": "32-true", "bf16": "bf16-mixed"}[p]
+
+
+def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = False,
+              on_eval: Callable[[int, float, float], bool] | None = None, log: Callable[[str], None] = print,
+              title: str = "", stop: StopRequest | None = None, position: int = 0,
+              log_evals: bool = True) -> dict[str, Any]:
+    """Train ``cfg`` into ``run_dir`` (continuing its checkpoint if ``resume``); return the result dict."""
+    from ..data import TokenDataModule
+
+    quiet_lightning()
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    # Data first: a bad data path fails before a run folder exists.
+    dm = TokenDataModule(cfg.data, cfg.model.seq_len, cfg.train.batch_size, cfg.seed, cache_dir,
+                         eval_batches=cfg.train.eval_batches)
+    dm.prepare_data()
+    dm.setup("fit")
+    vocab = cfg.model.vocab_size or dm.vocab_size
+    if vocab < dm.vocab_size:
+        raise UsageError(f"model.vocab_size={vocab} is smaller than the tokenizer's {dm.vocab_size} tokens")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = run_dir / CHECKPOINT
+    ckpt_path = ckpt if resume and ckpt.is_file() else None
+    if not resume or not (run_dir / "config.yaml").is_file():
+        write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    module = LMModule(cfg, vocab)
+    params, base_params, overhead = routing_overhead(cfg.model, cfg.residual, vocab)
+    if ckpt_path is not None:
+        state = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        dm.start_step = int(state["global_step"])  # the data stream continues where the run stopped
+        del state
+
+    budget = Budget(cfg.train.budget, cfg.train.steps, cfg.train.time)
+    tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
+    budget_cb = BudgetCallback(budget, cfg.train.eval_every, cfg.train.heatmap_every, dm.val_dataloader, ckpt,
+                               tokens_per_step, flops_per_token(cfg, params), on_eval=on_eval, stop=stop,
+                               log=log if log_evals else None, title=title)
+    bar = ProgressBar(budget, budget_cb, desc=title.strip(" :") or "train", position=position)
+    logger = TensorBoardLogger(str(run_dir), name="tb", version="", default_hp_metric=False)
+    trainer = L.Trainer(
+        accelerator="auto", devices=1, precision=precision_for(cfg), logger=logger, callbacks=[budget_cb, bar],
+        max_steps=cfg.train.steps if budget.kind == "steps" else -1, max_epochs=-1,
+        gradient_clip_val=cfg.optim.grad_clip or None, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1_000_000,
+    )
+    started = time.time()
+    trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
+    if budget_cb.status == "running":  # fit returned without our callback deciding: treat as interrupted
+        budget_cb.status, budget_cb.reason = "interrupted", "training stopped early"
+
+    result = {
+        "status": budget_cb.status,
+        "reason": budget_cb.reason,
+        "arm": arm_label(cfg),
+        "seed": cfg.seed,
+        "budget": budget.kind,
+        "step": trainer.global_step,
+        "seconds": module.clock.elapsed,
+        "tokens": trainer.global_step * tokens_per_step,
+        "final_val_loss": budget_cb.curve[-1]["val_loss"] if budget_cb.curve else math.nan,
+        "curve": budget_cb.curve,
+        "tokens_per_s": (trainer.global_step * tokens_per_step / module.clock.elapsed) if module.clock.elapsed else None,
+        "peak_mem_gb": budget_cb.peak_mem_gb,
+        "params": params,
+        "baseline_params": base_params,
+        "param_overhead_pct": overhead,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "routing_backend": _backend_name(cfg),
+        "wall_seconds": time.time() - started,
+        "data": dm.describe(),
+    }
+    weights = module.model.residual.last_weights()
+    if weights is not None:
+        result["routing_weights"] = [w.tolist() for w in weights]
+        _save_heatmap(run_dir, weights, arm_label(cfg))
+    if budget_cb.status == "completed":
+        logger.log_hyperparams(_hparams(cfg), {"hparams/final_val_loss": result["final_val_loss"],
+                                               "hparams/tokens_per_s": result["tokens_per_s"] or 0.0})
+    logger.finalize("success")
+    write_json(run_dir / "result.json", result)
+    return result
+
+
+def _backend_name(cfg: RunConfig) -> str:
+    if cfg.residual.kind == "baseline":
+        return "none"
+    if cfg.residual.backend == "auto":
+        return "triton" if torch.cuda.is_available() else "reference"
+    return cfg.residual.backend
+
+
+def _hparams(cfg: RunConfig) -> dict[str, Any]:
+    flat = cfg.flat()
+    return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in flat.items()}
+
+
+def _save_heatmap(run_dir: Path, weights, label: str) -> None:
+    import io
+
+    import matplotlib.pyplot as plt
+
+    from ..io import write_bytes
+    from ..reporting.heatmap import routing_figure
+
+    fig = routing_figure(weights, f"{label}: final depth weights")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    write_bytes(run_dir / "routing.png", buf.getvalue())

@@ -1,0 +1,180 @@
+"""Training runs: budgets, the training clock, the time-aware schedule, TensorBoard series, resume."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mhar_ablate.config import OptimConfig, build_config
+from mhar_ablate.training.budget import Budget, TrainingClock
+from mhar_ablate.training.callbacks import StopRequest
+from mhar_ablate.training.module import LMModule
+from mhar_ablate.training.run import train_run
+from mhar_ablate.training.schedule import lr_factor
+
+
+def corpus(tmp_path: Path) -> Path:
+    """A small real-text corpus: this package's own sources, so the test needs no download."""
+    root = Path(__file__).resolve().parents[1] / "mhar_ablate"
+    text = "\n\n".join(p.read_text() for p in sorted(root.rglob("*.py")))
+    path = tmp_path / "corpus.txt"
+    path.write_text(text * 2)
+    return path
+
+
+def cfg_for(tmp_path, **over):
+    base = {"data.source": str(corpus(tmp_path)), "model.seq_len": "32", "train.batch_size": "4",
+            "train.eval_every": "4", "train.eval_batches": "2", "data.val_sequences": "8",
+            "residual.backend": "reference", "train.threads": "2"}
+    base.update({k.replace("__", "."): str(v) for k, v in over.items()})
+    return build_config(overrides=base)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd", "constant"])
+def test_schedule_warms_up_and_ends_at_its_final_rate(schedule):
+    cfg = OptimConfig(schedule=schedule, warmup=0.1, min_lr_ratio=0.1)
+    assert lr_factor(0.0, cfg) == 0.0
+    assert lr_factor(0.05, cfg) == pytest.approx(0.5)
+    assert lr_factor(0.1, cfg) == pytest.approx(1.0)
+    assert lr_factor(1.0, cfg) == pytest.approx(1.0 if schedule == "constant" else 0.1)
+    xs = [lr_factor(p / 100, cfg) for p in range(10, 101)]
+    assert all(a >= b - 1e-12 for a, b in zip(xs, xs[1:])), "no increase after warm-up"
+
+
+def test_wallclock_schedule_follows_training_seconds_not_steps():
+    b = Budget("wallclock", steps=10, seconds=100.0)
+    assert b.progress(step=5, seconds=50.0) == 0.5
+    assert b.progress(step=10_000, seconds=25.0) == 0.25  # steps are irrelevant under a time budget
+    assert b.exhausted(1, 100.0) and not b.exhausted(10_000, 99.0)
+    cfg = OptimConfig(warmup=0.0, min_lr_ratio=0.1)
+    assert lr_factor(b.progress(3, 100.0), cfg) == pytest.approx(0.1)
+
+
+def test_clock_counts_only_what_is_inside_start_stop():
+    c = TrainingClock()
+    c.start(); time.sleep(0.05); c.stop()
+    time.sleep(0.1)  # e.g. validation
+    c.start(); time.sleep(0.05); c.stop()
+    assert 0.09 < c.elapsed < 0.2
+
+
+def test_wallclock_run_excludes_validation_time_and_decays_fully(tmp_path, monkeypatch):
+    slow = LMModule.evaluate
+
+    def slow_eval(self, batches):
+        time.sleep(0.4)
+        return slow(self, batches)
+
+    monkeypatch.setattr(LMModule, "evaluate", slow_eval)
+    cfg = cfg_for(tmp_path, train__budget="wallclock", train__time="3")
+    start = time.perf_counter()
+    r = train_run(cfg, tmp_path / "run", tmp_path / "cache", log=lambda s: None)
+    wall = time.perf_counter() - start
+    assert r["status"] == "completed"
+    assert 3.0 <= r["seconds"] < 3.0 + 1.0  # stops at the first step past the budget
+    assert wall > r["seconds"] + 5 * 0.4 * 0.9  # at least five slow evaluations happened outside the clock
+    curve = r["curve"]
+    assert curve[0]["step"] == 0 and curve[-1]["seconds"] >= 3.0
+    assert [p["seconds"] for p in curve] == sorted(p["seconds"] for p in curve)
+    scalars = _scalars(tmp_path / "run" / "tb")
+    assert scalars["train/lr"][-1] == pytest.approx(cfg.optim.lr * cfg.optim.min_lr_ratio, rel=0.05)
+
+
+def _scalars(logdir: Path) -> dict[str, list[float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "images": 0})
+    acc.Reload()
+    out = {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    out["_images"] = acc.Tags()["images"]
+    out["_per_hour_walltimes"] = [e.wall_time for e in acc.Scalars("val/loss_per_hour")]
+    out["_per_hour_steps"] = [e.step for e in acc.Scalars("val/loss_per_hour")]
+    return out
+
+
+def test_tensorboard_has_loss_per_step_per_hour_and_heatmap(tmp_path):
+    cfg = cfg_for(tmp_path, train__steps=12, residual__kind="mhar", residual__heads=4, train__heatmap_every=2)
+    r = train_run(cfg, tmp_path / "run", tmp_path / "cache", log=lambda s: None)
+    s = _scalars(tmp_path / "run" / "tb")
+    for tag in ("train/loss", "val/loss", "val/loss_per_hour", "train/loss_per_hour", "train/lr", "perf/tokens_per_s"):
+        assert tag in s, tag
+    assert len(s["val/loss"]) == len(r["curve"]) == len(s["val/loss_per_hour"])
+    # the per-hour series is laid out on the training clock: wall times offset by training seconds
+    walls = s["_per_hour_walltimes"]
+    secs = [p["seconds"] for p in r["curve"]]
+    assert [w - walls[0] for w in walls] == pytest.approx([x - secs[0] for x in secs], abs=1e-3)
+    assert "routing/depth_weights" in s["_images"]
+    assert (tmp_path / "run" / "routing.png").stat().st_size > 1000
+    assert len(r["routing_weights"]) == 2 * cfg.model.n_layers + 1
+
+
+def test_validation_set_is_identical_across_arms_and_seeds(tmp_path):
+    from mhar_ablate.data import TokenDataModule
+
+    seen = []
+    for kind, seed in (("baseline", 0), ("mhar", 1)):
+        cfg = cfg_for(tmp_path, residual__kind=kind, seed=seed)
+        dm = TokenDataModule(cfg.data, cfg.model.seq_len, cfg.train.batch_size, cfg.seed, tmp_path / "cache",
+                             eval_batches=cfg.train.eval_batches)
+        dm.prepare_data(); dm.setup("fit")
+        seen.append(torch.cat([x for x, _ in dm.val_dataloader()]))
+    assert torch.equal(seen[0], seen[1])
+
+
+def test_resume_continues_the_same_run(tmp_path):
+    """Stop at step 6 of 12, resume: same steps, clock continuity, schedule, batches and losses as an
+    uninterrupted run."""
+    from mhar_ablate.data import TokenDataModule
+
+    batches: dict[str, list[torch.Tensor]] = {"full": [], "split": []}
+    orig = LMModule.training_step
+    current = {"key": "full"}
+
+    def spy(self, batch, idx):
+        batches[current["key"]].append(batch[0].clone())
+        return orig(self, batch, idx)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(LMModule, "training_step", spy)
+    try:
+        cfg = cfg_for(tmp_path, train__steps=12, residual__kind="mhar", residual__heads=2)
+        full = train_run(cfg, tmp_path / "full", tmp_path / "cache", log=lambda s: None)
+        current["key"] = "split"
+        stop = StopRequest()
+
+        def stop_after_6(self, outputs, batch, idx):
+            if self.global_step == 5:  # the budget callback reads the flag at the end of the next step
+                stop.signal = "SIGTERM"
+
+        mp.setattr(LMModule, "on_train_batch_end", stop_after_6)
+        first = train_run(cfg, tmp_path / "split", tmp_path / "cache", stop=stop, log=lambda s: None)
+        mp.undo()
+        mp.setattr(LMModule, "training_step", spy)
+        assert first["status"] == "interrupted" and first["step"] == 6
+        clock_at_stop = first["seconds"]
+        second = train_run(cfg, tmp_path / "split", tmp_path / "cache", resume=True, log=lambda s: None)
+    finally:
+        mp.undo()
+    assert second["status"] == "completed" and second["step"] == 12
+    assert second["seconds"] > clock_at_stop  # the clock continued, it did not restart
+    assert len(batches["split"]) == len(batches["full"]) == 12
+    for a, b in zip(batches["full"], batches["split"]):
+        assert torch.equal(a, b)
+    assert [p["step"] for p in second["curve"]] == [p["step"] for p in full["curve"]]
+    for p, q in zip(full["curve"], second["curve"]):
+        assert p["val_loss"] == pytest.approx(q["val_loss"], rel=1e-5, abs=1e-6)
+
+
+def test_divergence_stops_with_a_clear_status(tmp_path):
+    cfg = cfg_for(tmp_path, train__steps=40, optim__lr=1e6, optim__warmup=0, optim__grad_clip=0)
+    r = train_run(cfg, tmp_path / "run", tmp_path / "cache", log=lambda s: None)
+    assert r["status"] == "diverged"
+    assert "loss became" in r["reason"]
+    assert r["step"] < 40
+    saved = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert saved["status"] == "diverged" and saved["curve"]
