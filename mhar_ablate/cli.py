@@ -6,11 +6,14 @@ Bad input is one line on stderr and exit code 2; ``--debug`` shows tracebacks.
 from __future__ import annotations
 
 import argparse
-import os
+import re
 import sys
 from pathlib import Path
 
 from .errors import UsageError
+
+
+OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*=")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -211,11 +214,31 @@ COMMANDS = {"train": cmd_train, "study": cmd_study, "export": cmd_export, "tenso
             "info": cmd_info}
 
 
+def _attach_negative_values(argv: list[str]) -> list[str]:
+    """``--time -5m`` would read to argparse as a missing value; pass it on as ``--time=-5m`` so that
+    the user hears what is wrong with the value itself."""
+    out: list[str] = []
+    for a in argv:
+        if out and out[-1] in ("--time", "--steps", "--seeds", "--trials") and re.match(r"-[0-9.]", a):
+            out[-1] = f"{out[-1]}={a}"
+        else:
+            out.append(a)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     try:
-        args = build_parser().parse_args(argv)
+        # key=value overrides may stand anywhere after the command; argparse cannot take a variable-length
+        # positional after options, so they are split off first.
+        overrides = [a for a in argv if OVERRIDE.match(a)]
+        argv = _attach_negative_values(argv)
+        args = build_parser().parse_args([a for a in argv if not OVERRIDE.match(a)])
+        if hasattr(args, "overrides"):
+            args.overrides = overrides + list(args.overrides)
+        elif overrides:
+            raise UsageError(f"{args.command} takes no key=value overrides: {' '.join(overrides)}")
         if not args.command:
             build_parser().print_help()
             return 2

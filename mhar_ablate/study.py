@@ -64,6 +64,12 @@ class StudyDefinition:
                    arms={str(k): dict(v or {}) for k, v in arms.items()}, baseline=baseline, seeds=seeds,
                    budgets=dict(budgets), curve=data.get("curve"), path=path)
 
+    def check_overrides(self, overrides: dict[str, Any]) -> None:
+        varied = sorted({k for arm in self.arms.values() for k in arm} & set(overrides))
+        if varied:
+            raise UsageError(f"{', '.join(varied)} is what study {self.name!r} varies across its arms; "
+                             "it cannot be overridden for all of them")
+
     def arm_config(self, arm: str, seed: int, budget: str, overrides: dict[str, Any]) -> RunConfig:
         base = {**self.fixed, **self.arms[arm]}
         over = {**overrides, "seed": seed, "train.budget": budget}
@@ -105,6 +111,7 @@ class StudyRun:
 
     def configs(self) -> dict[tuple[str, int], RunConfig]:
         """Every grid point's config, built (and so validated) before anything trains."""
+        self.definition.check_overrides(self.overrides)
         return {(arm, seed): self.definition.arm_config(arm, seed, self.budget, self.overrides)
                 for arm, seed in self.grid()}
 
@@ -139,10 +146,10 @@ def open_storage(url: str, create: bool):
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if url.startswith("sqlite:///"):
         path = Path(url[len("sqlite:///"):])
+        if not create and not path.is_file():
+            raise UsageError(f"no study database at {path} (run `mhar-ablate study NAME` with this --output first)")
         if not path.parent.is_dir():
             raise UsageError(f"storage folder does not exist: {path.parent}")
-        if not create and not path.is_file():
-            raise UsageError(f"no study database at {path}")
         if path.is_file() and path.stat().st_size > 0:
             with open(path, "rb") as f:
                 if f.read(16) != b"SQLite format 3\x00":
@@ -223,6 +230,7 @@ def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = _log) -> dic
     from .training.run import quiet_lightning, train_run
 
     configs = sr.configs()  # validates every arm before any training
+    check_data(configs.values(), sr.output / "cache")
     fingerprint = sr.fingerprint(configs)
     sr.output.mkdir(parents=True, exist_ok=True)
     url = storage_url(sr.output, sr.storage)
@@ -330,6 +338,21 @@ def _curve_values(d: StudyDefinition, configs) -> dict[str, Any]:
         else:
             out[arm] = cfg.flat().get(d.curve)
     return out
+
+
+def check_data(configs, cache: Path) -> None:
+    """Load (and cache) each distinct corpus once up front: a folder without text fails the study at
+    once, not an hour in when the first arm that uses it starts."""
+    from .data import TokenDataModule
+
+    seen: set[str] = set()
+    for cfg in configs:
+        key = json.dumps([cfg.data.__dict__, cfg.model.seq_len, cfg.train.batch_size], sort_keys=True, default=str)
+        if key in seen:
+            continue
+        seen.add(key)
+        TokenDataModule(cfg.data, cfg.model.seq_len, cfg.train.batch_size, 0, cache,
+                        eval_batches=cfg.train.eval_batches).setup("fit")
 
 
 def _budget_text(cfg: RunConfig) -> str:

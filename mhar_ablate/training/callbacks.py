@@ -67,6 +67,10 @@ class BudgetCallback(L.Callback):
 
     # ------------------------------------------------------------------ hooks
     def on_train_start(self, trainer: L.Trainer, module: LMModule) -> None:
+        if self.curve and self.budget.exhausted(trainer.global_step, module.clock.elapsed):
+            # Killed after the last checkpoint of a finished run: nothing is left to train.
+            self._finish(trainer, module, "completed", "")
+            return
         self._warm_up(trainer, module)
         if self.next_eval == 0:
             self._evaluate(trainer, module)
@@ -79,7 +83,7 @@ class BudgetCallback(L.Callback):
         step, seconds = trainer.global_step, module.clock.elapsed
         self._log_step(trainer, module, step, seconds, dt)
         if module.diverged:
-            self._finish(trainer, module, "diverged", module.diverged, evaluate=False)
+            self._finish(trainer, module, "diverged", module.diverged)
             return
         progress = self.budget.progress(step, seconds)
         due = progress >= self.next_eval / self.eval_every
@@ -88,9 +92,9 @@ class BudgetCallback(L.Callback):
             if self.status != "running":
                 return
         if self.budget.exhausted(step, seconds):
-            self._finish(trainer, module, "completed", "", evaluate=False)
+            self._finish(trainer, module, "completed", "")
         elif self.stop:
-            self._finish(trainer, module, "interrupted", f"stopped by {self.stop.signal}", evaluate=False)
+            self._finish(trainer, module, "interrupted", f"stopped by {self.stop.signal}")
         elif due:
             self._save(trainer)
 
@@ -99,7 +103,7 @@ class BudgetCallback(L.Callback):
             if not self.curve or self.curve[-1]["step"] != trainer.global_step:
                 self._evaluate(trainer, module)
             if self.status == "running":
-                self._finish(trainer, module, "completed", "", evaluate=False)
+                self._finish(trainer, module, "completed", "")
 
     # ------------------------------------------------------------------ pieces
     def _warm_up(self, trainer: L.Trainer, module: LMModule) -> None:
@@ -134,9 +138,9 @@ class BudgetCallback(L.Callback):
             self.emit(f"{self.title}eval {len(self.curve)}: step {step}, {format_seconds(seconds)} trained, "
                       f"val loss {loss:.4f}{', ' + left if left else ''}")
         if not math.isfinite(loss):
-            self._finish(trainer, module, "diverged", f"validation loss became {loss} at step {step}", evaluate=False)
+            self._finish(trainer, module, "diverged", f"validation loss became {loss} at step {step}")
         elif self.on_eval is not None and self.on_eval(step, seconds, loss):
-            self._finish(trainer, module, "pruned", f"pruned at step {step}", evaluate=False)
+            self._finish(trainer, module, "pruned", f"pruned at step {step}")
 
     def _heatmap(self, writer, module: LMModule, step: int) -> None:
         weights = module.model.residual.last_weights()
@@ -190,7 +194,7 @@ class BudgetCallback(L.Callback):
                 raise UsageError(f"no space left on device while writing {self.checkpoint}") from None
             raise
 
-    def _finish(self, trainer: L.Trainer, module: LMModule, status: str, reason: str, evaluate: bool) -> None:
+    def _finish(self, trainer: L.Trainer, module: LMModule, status: str, reason: str) -> None:
         self.status, self.reason = status, reason
         trainer.should_stop = True
         if status in ("completed", "interrupted"):

@@ -22,6 +22,7 @@ import lightning as L
 import torch
 import yaml
 from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ..config import RunConfig, from_dict
 from ..errors import UsageError
@@ -106,6 +107,19 @@ def stop_on_signals() -> Iterator[StopRequest]:
             signal.signal(s, h)
 
 
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """Load a checkpoint without unpickling arbitrary objects (``weights_only``): a tampered file is
+    refused, never executed. An unreadable one is a clear error, not a traceback."""
+    import pickle
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"checkpoint {path} cannot be loaded safely ({first[:160]}); "
+                         "delete it to restart this run from the beginning") from None
+
+
 def flops_per_token(cfg: RunConfig, params: int) -> float:
     """Approximate training FLOPs per token: 6 per parameter plus attention's quadratic term."""
     head_dim = cfg.model.head_dim or cfg.model.d_model // cfg.model.n_heads
@@ -147,9 +161,7 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
     module = LMModule(cfg, vocab)
     params, base_params, overhead = routing_overhead(cfg.model, cfg.residual, vocab)
     if ckpt_path is not None:
-        state = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-        dm.start_step = int(state["global_step"])  # the data stream continues where the run stopped
-        del state
+        dm.start_step = int(read_checkpoint(ckpt_path)["global_step"])  # the data continue where the run stopped
 
     budget = Budget(cfg.train.budget, cfg.train.steps, cfg.train.time)
     tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
@@ -165,7 +177,12 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1_000_000,
     )
     started = time.time()
-    trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
+    try:
+        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
+    except SIGTERMException:
+        # Lightning's own SIGTERM handler exits the process after the step (with status 0). Our handler saw
+        # the same signal, so the budget callback has already checkpointed and marked the run interrupted.
+        pass
     if budget_cb.status == "running":  # fit returned without our callback deciding: treat as interrupted
         budget_cb.status, budget_cb.reason = "interrupted", "training stopped early"
 

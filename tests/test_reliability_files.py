@@ -1,0 +1,106 @@
+"""Files: exports, checkpoints and data caches are written atomically, so a failure mid-write never
+leaves a half-written file that a rerun trusts; a full disk is one clear error."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from mhar_ablate import io as atomic
+from mhar_ablate.cli import main
+from mhar_ablate.errors import UsageError
+
+from reliability_helpers import FAST, write_study
+
+
+class SimulatedCrash(Exception):
+    pass
+
+
+def enospc(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_atomic_write_keeps_the_old_file_when_the_write_fails(tmp_path, monkeypatch):
+    path = tmp_path / "table.md"
+    atomic.write_text(path, "old table\n")
+    monkeypatch.setattr(os, "fsync", enospc)
+    with pytest.raises(UsageError, match="no space left on device while writing .*table.md"):
+        atomic.write_text(path, "new table that never lands\n")
+    assert path.read_text() == "old table\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["table.md"], "no temporary file is left behind"
+
+
+@pytest.fixture(scope="module")
+def finished_study(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("files")
+    out = tmp / "out"
+    assert main(["study", str(write_study(tmp, steps=4)), "--output", str(out), "--seeds", "1", *FAST]) == 0
+    return out
+
+
+def test_export_on_a_full_disk_is_one_clear_line_and_keeps_the_previous_table(finished_study, capsys, monkeypatch):
+    assert main(["export", "pair", "--output", str(finished_study)]) == 0
+    table = finished_study / "studies" / "pair" / "steps" / "table.md"
+    before = table.read_bytes()
+    capsys.readouterr()
+    monkeypatch.setattr(os, "replace", enospc)
+    assert main(["export", "pair", "--output", str(finished_study)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: no space left on device while writing") and "\n" not in err
+    assert table.read_bytes() == before
+
+
+def test_checkpoint_on_a_full_disk_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    import lightning
+
+    monkeypatch.setattr(lightning.Trainer, "save_checkpoint", lambda self, path, *a, **k: enospc())
+    code = main(["train", "--output", str(tmp_path / "out"), "--steps", "4", *FAST])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: no space left on device while writing") and "last.ckpt" in err
+    assert not list((tmp_path / "out").rglob("*.ckpt")), "no partial checkpoint is left"
+
+
+def test_checkpoints_are_replaced_atomically(tmp_path, monkeypatch):
+    """A checkpoint write that dies half-way leaves the previous checkpoint, not a torn file."""
+    import lightning
+
+    from mhar_ablate.config import build_config
+    from mhar_ablate.training.run import read_checkpoint, train_run
+
+    cfg = build_config(overrides=dict(a.split("=", 1) for a in FAST) | {"train.steps": "12"})
+    calls = {"n": 0}
+    real = lightning.Trainer.save_checkpoint
+
+    def dies_on_third(self, path, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            Path(path).write_bytes(b"half a checkpoint")
+            raise SimulatedCrash  # the process dies mid-write
+        return real(self, path, *a, **k)
+
+    monkeypatch.setattr(lightning.Trainer, "save_checkpoint", dies_on_third)
+    with pytest.raises(SimulatedCrash):
+        train_run(cfg, tmp_path / "run", tmp_path / "cache", log=lambda m: None)
+    state = read_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")  # still the second, intact
+    assert state["global_step"] > 0
+
+
+def test_corrupt_data_cache_is_rebuilt_not_trusted(tmp_path):
+    from mhar_ablate.config import DataConfig
+    from mhar_ablate.data import load_corpus
+
+    src = tmp_path / "text.txt"
+    src.write_text("hello world, " * 2000)
+    cfg = DataConfig(source=str(src))
+    # A copy: the first load is a memory map of the very file this test truncates.
+    expected = load_corpus(cfg, tmp_path / "cache").train.copy()
+    tokens = sorted((tmp_path / "cache").rglob("*.bin"))
+    assert tokens
+    with open(tokens[0], "r+b") as f:  # a torn write: the file is cut short
+        f.truncate(10)
+    again = load_corpus(cfg, tmp_path / "cache")
+    assert len(again.train) == len(expected) and (again.train == expected).all()

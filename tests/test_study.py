@@ -1,0 +1,114 @@
+"""Studies end to end on the tiny preset: run, interrupt, resume, rerun (no training), export."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from mhar_ablate.cli import main
+from mhar_ablate.errors import UsageError
+from mhar_ablate.export import build_table, render
+from mhar_ablate.study import StudyDefinition, StudyRun, load_studies, run_study
+from mhar_ablate.training.callbacks import StopRequest
+
+FAST = {"model.seq_len": "32", "train.batch_size": "4", "train.eval_every": "3", "train.eval_batches": "1",
+        "data.val_sequences": "4", "residual.backend": "reference", "train.threads": "2"}
+
+
+def two_arm_study(tmp_path: Path) -> Path:
+    path = tmp_path / "pair.yaml"
+    path.write_text(
+        "description: two arms\n"
+        "fixed: {model.preset: tiny}\n"
+        "arms:\n  baseline: {residual.kind: baseline}\n  mhar-h2: {residual.kind: mhar, residual.heads: 2}\n"
+        "baseline: baseline\nseeds: 2\nbudgets: {steps: 6, wallclock: 2s}\ncurve: residual.heads\n")
+    return path
+
+
+def study_run(tmp_path, budget="steps", **kw) -> StudyRun:
+    return StudyRun(StudyDefinition.load(str(two_arm_study(tmp_path))), budget, tmp_path / "out", dict(FAST),
+                    seeds=kw.pop("seeds", 2), **kw)
+
+
+def test_study_interrupt_resume_rerun_and_export(tmp_path, capsys):
+    sr = study_run(tmp_path)
+    stop = StopRequest()
+    lines: list[str] = []
+
+    def log(msg: str) -> None:
+        lines.append(msg)
+        if "completed" in msg:  # the first trial finished: interrupt the second one mid-way
+            stop.signal = "SIGINT"
+
+    first = run_study(sr, stop=stop, log=log)
+    assert first["interrupted"] and first["ran"] == 1
+    interrupted = [p for p in sr.folder.iterdir() if (p / "checkpoints" / "last.ckpt").exists()
+                   and json.loads((p / "result.json").read_text())["status"] == "interrupted"]
+    assert len(interrupted) == 1, "the interrupted trial left a checkpoint to resume from"
+
+    second = run_study(sr, log=lines.append)
+    assert not second["interrupted"] and second["ran"] == 3 and second["done"] == 4
+    resumed = json.loads((interrupted[0] / "result.json").read_text())
+    assert resumed["status"] == "completed" and resumed["step"] == 6
+    assert resumed["curve"][0]["step"] == 0  # the curve kept its points from before the interruption
+
+    third = run_study(sr, log=lines.append)
+    assert third["ran"] == 0 and third["done"] == 4
+    assert "nothing to train" in lines[-1]
+
+    (study,) = load_studies(sr.output, "pair", "steps", None)
+    table = build_table(study)
+    assert [r["arm"] for r in table.rows] == ["baseline", "mhar-h2"]
+    assert all(r["n"] == 2 for r in table.rows)
+    assert table.at_step == 6
+    md = render(table, "md")
+    assert "| mhar-h2 | 2 |" in md and "**" in md and "Missing" not in md
+
+    assert main(["export", "pair", "--output", str(sr.output), "--format", "csv"]) == 0
+    out = capsys.readouterr().out
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert {r["arm"] for r in rows} == {"baseline", "mhar-h2"}
+    for name in ("table.csv", "loss_vs_steps.png", "loss_vs_time.png", "pair_curve.png"):
+        assert (sr.folder / name).stat().st_size > 0, name
+    assert main(["export", "pair", "--output", str(sr.output), "--format", "latex"]) == 0
+    assert r"\begin{tabular}" in capsys.readouterr().out
+    assert main(["export", "pair", "--output", str(sr.output), "--format", "json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["at_step"] == 6 and len(data["rows"]) == 2
+
+
+def test_unfinished_study_export_names_the_missing_trials(tmp_path):
+    sr = study_run(tmp_path, seeds=1)
+    stop = StopRequest()
+    run_study(sr, stop=stop, log=lambda m: setattr(stop, "signal", "SIGTERM") if "completed" in m else None)
+    (study,) = load_studies(sr.output, "pair", "steps", None)
+    md = render(build_table(study), "md")
+    assert "Missing trials:" in md and "crashed or interrupted" in md
+
+
+def test_changed_configuration_is_refused_not_mixed(tmp_path):
+    sr = study_run(tmp_path, seeds=1)
+    sr.overrides["train.steps"] = "3"
+    run_study(sr, log=lambda m: None)
+    sr.overrides["model.d_model"] = "32"
+    with pytest.raises(UsageError, match="different configuration"):
+        run_study(sr, log=lambda m: None)
+
+
+def test_export_of_unknown_study_is_one_clear_error(tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    assert main(["export", "nosuch", "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and len(err.strip().splitlines()) == 1
+
+
+def test_tensorboard_command_points_at_the_study(tmp_path, capsys):
+    sr = study_run(tmp_path, seeds=1)
+    sr.overrides["train.steps"] = "2"
+    run_study(sr, log=lambda m: None)
+    assert main(["tensorboard", "pair", "--output", str(sr.output), "--print"]) == 0
+    assert f"--logdir {sr.output / 'studies' / 'pair'}" in capsys.readouterr().out
