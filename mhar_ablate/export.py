@@ -329,6 +329,8 @@ def save_plots(table: StudyTable, folder: Path) -> list[Path]:
         what = "routing heads H" if table.curve_key == "residual.heads" else str(table.curve_key)
         if all(isinstance(v, (int, float)) and v > 0 for v in points.values()):
             ax.set_xscale("log", base=2)
+            ticks = sorted(set(points.values()))
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
         ax.set_xlabel(what)
         ax.set_ylabel("validation loss")
         ax.set_title(f"{table.name}: loss against {what}")
