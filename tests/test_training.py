@@ -109,6 +109,7 @@ def test_tensorboard_has_loss_per_step_per_hour_and_heatmap(tmp_path):
     secs = [p["seconds"] for p in r["curve"]]
     assert [w - walls[0] for w in walls] == pytest.approx([x - secs[0] for x in secs], abs=1e-3)
     assert "routing/depth_weights" in s["_images"]
+    assert "hparams/final_val_loss" in s  # the HPARAMS view gets the run's final metrics
     assert (tmp_path / "run" / "routing.png").stat().st_size > 1000
     assert len(r["routing_weights"]) == 2 * cfg.model.n_layers + 1
 
