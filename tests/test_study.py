@@ -112,3 +112,50 @@ def test_tensorboard_command_points_at_the_study(tmp_path, capsys):
     run_study(sr, log=lambda m: None)
     assert main(["tensorboard", "pair", "--output", str(sr.output), "--print"]) == 0
     assert f"--logdir {sr.output / 'studies' / 'pair'}" in capsys.readouterr().out
+
+
+def test_tune_picks_a_learning_rate_per_arm_then_runs_the_grid(tmp_path):
+    sr = study_run(tmp_path, seeds=1, tune="lr", tune_trials=2)
+    sr.overrides["train.steps"] = "3"
+    summary = run_study(sr, log=lambda m: None)
+    assert summary["done"] == 2
+    import optuna
+
+    storage = f"sqlite:///{sr.output / 'studies.db'}"
+    lrs = {}
+    for arm in ("baseline", "mhar-h2"):
+        tune = optuna.load_study(study_name=f"pair-steps-tune-lr-{arm}", storage=storage)
+        assert len(tune.trials) == 2
+        lrs[arm] = tune.best_params["lr"]
+    (study,) = load_studies(sr.output, "pair", "steps", None)
+    for t in study.trials:
+        assert t.user_attrs["lr"] == pytest.approx(lrs[t.params["arm"]])  # each arm trains at its own best rate
+    assert run_study(sr, log=lambda m: None)["ran"] == 0  # finished searches are not rerun
+
+
+class FakeTrial:
+    def __init__(self, prune_after: int):
+        self.reports: list[tuple[float, int]] = []
+        self.prune_after = prune_after
+
+    def report(self, value: float, step: int) -> None:
+        self.reports.append((value, step))
+
+    def should_prune(self) -> bool:
+        return len(self.reports) >= self.prune_after
+
+
+def test_pruning_reports_at_steps_or_training_seconds():
+    from mhar_ablate.study import _pruning_reporter
+
+    t = FakeTrial(prune_after=3)
+    report = _pruning_reporter(t, "steps")
+    assert report(0, 0.0, 5.0) is False  # the evaluation before training is not a result
+    assert report(10, 1.5, 4.0) is False and report(20, 3.1, 3.5) is False
+    assert report(30, 4.6, 3.2) is True
+    assert [s for _, s in t.reports] == [10, 20, 30]
+
+    t = FakeTrial(prune_after=99)
+    report = _pruning_reporter(t, "wallclock")
+    report(10, 1.4, 4.0); report(12, 1.9, 3.9); report(30, 7.2, 3.0)
+    assert [s for _, s in t.reports] == [1, 7]  # whole training seconds, one report per second
