@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--print", dest="print_only", action="store_true", help="print the command instead of running it")
     _common(b)
 
+    from .bench import add_bench_parser
+
+    add_bench_parser(sub)
+
     i = sub.add_parser("info", help="print a configuration's parameter counts and routing overhead")
     i.add_argument("--config", metavar="FILE")
     i.add_argument("--preset")
@@ -210,7 +214,13 @@ def cmd_tensorboard(args: argparse.Namespace) -> int:
         return 0
 
 
-COMMANDS = {"train": cmd_train, "study": cmd_study, "export": cmd_export, "tensorboard": cmd_tensorboard,
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import cmd_bench as run
+
+    return run(args)
+
+
+COMMANDS = {"bench": cmd_bench, "train": cmd_train, "study": cmd_study, "export": cmd_export, "tensorboard": cmd_tensorboard,
             "info": cmd_info}
 
 

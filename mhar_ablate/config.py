@@ -147,6 +147,9 @@ class ResidualConfig:
             raise UsageError(f"residual.kind=attnres is single-head; use residual.kind=mhar for residual.heads={h}")
         if h < 1 or model.d_model % h:
             raise UsageError(f"residual.heads={h} does not divide model.d_model={model.d_model}")
+        if self.backend == "triton" and h & (h - 1):
+            raise UsageError(f"residual.backend=triton needs residual.heads to be a power of two, got {h}; "
+                             "use residual.backend=reference")
         k = self.block_layers()
         if k is not None and k > model.n_layers:
             raise UsageError(f"residual.grouping={self.grouping}: K={k} is larger than model.n_layers={model.n_layers}")

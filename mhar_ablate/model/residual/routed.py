@@ -10,6 +10,11 @@ sources computed so far (SPEC.md). Sources depend on ``residual.grouping``:
 
 Each site owns a query and a key gain of width d. Queries start at zero (a uniform mixture) unless
 ``residual.query_init`` is ``normal:STD``.
+
+Two paths compute the same function: the reference one below (stack the visible sources at every site,
+then ``mhar_route``) and the fused one in ``fused.py`` (a source buffer and Triton kernels; no per-site
+copies). ``residual.backend``: ``reference``, ``triton`` (the fused path; through Triton's interpreter on
+CPU tensors) or ``auto`` (fused on CUDA tensors when the head count suits its kernels, else reference).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from torch import Tensor, nn
 from ...kernels.reference import routing_weights
 from ...ops import mhar_route
 from . import Residual
+from .fused import DEFAULT_SITES_PER_PASS, FusedState, fused_supported, routing_range
 
 
 @dataclass
@@ -43,6 +49,12 @@ class MHARResidual(Residual):
         self.block_sublayers = 1 if k is None else 2 * k
         self.eps = model.norm_eps
         self.backend = cfg.backend
+        self.fusable = fused_supported(d, self.num_heads)
+        if self.backend == "triton" and not self.fusable:
+            raise ValueError(f"residual.backend=triton: the fused path needs residual.heads={self.num_heads} to be a "
+                             f"power of two that divides d={d}; use residual.backend=reference")
+        # Consecutive sites that share one pass over the history in the fused path (fused.py).
+        self.sites_per_pass = DEFAULT_SITES_PER_PASS
         std = cfg.query_std()
         self.query = nn.Parameter(torch.randn(self.n_sites, d) * std if std > 0 else torch.zeros(self.n_sites, d))
         self.key_weight = nn.Parameter(torch.ones(self.n_sites, d))
@@ -59,35 +71,74 @@ class MHARResidual(Residual):
         finished, partial = divmod(site, self.block_sublayers)
         return 1 + finished + (1 if partial else 0)
 
-    def start(self, x0: Tensor) -> RoutedState:
+    def uses_fused(self, x0: Tensor) -> bool:
+        if self.backend == "auto":
+            return x0.device.type == "cuda" and self.fusable
+        return self.backend == "triton"
+
+    def start(self, x0: Tensor) -> RoutedState | FusedState:
+        if self.uses_fused(x0):
+            return _fused_start(self, x0)
         return RoutedState(done=[x0])
+
+    def recording(self) -> bool:
+        return bool(self.record or (self.record is None and not self.training))
+
+    def store_weights(self, site: int, stacked: Tensor) -> None:
+        with torch.no_grad():
+            w = routing_weights(stacked, self.query[site], self.key_weight[site], self.num_heads, self.eps)
+            self._weights[site] = w.mean(dim=(1, 2)).cpu()
 
     def _route(self, sources: list[Tensor], site: int) -> Tensor:
         stacked = torch.stack(sources)
-        if self.record or (self.record is None and not self.training):
-            with torch.no_grad():
-                w = routing_weights(stacked, self.query[site], self.key_weight[site], self.num_heads, self.eps)
-                self._weights[site] = w.mean(dim=(1, 2)).cpu()
-        return mhar_route(stacked, self.query[site], self.key_weight[site], self.num_heads, self.eps, self.backend)
+        if self.recording():
+            self.store_weights(site, stacked)
+        # This stacked path is the reference; the Triton kernels serve the fused path (start()).
+        return mhar_route(stacked, self.query[site], self.key_weight[site], self.num_heads, self.eps, "reference")
 
-    def read(self, state: RoutedState, site: int) -> Tensor:
+    def read(self, state: RoutedState | FusedState, site: int) -> Tensor:
+        if isinstance(state, FusedState):
+            return _fused_read(state, site)
         sources = state.done if state.partial is None else [*state.done, state.partial]
         return self._route(sources, site)
 
-    def write(self, state: RoutedState, site: int, out: Tensor) -> None:
+    def write(self, state: RoutedState | FusedState, site: int, out: Tensor) -> None:
+        if isinstance(state, FusedState):
+            return _fused_write(state, site, out)
         state.partial = out if state.partial is None else state.partial + out
         state.in_block += 1
         if state.in_block == self.block_sublayers:
             state.done.append(state.partial)
             state.partial, state.in_block = None, 0
 
-    def finish(self, state: RoutedState) -> Tensor:
+    def finish(self, state: RoutedState | FusedState) -> Tensor:
         return self.read(state, self.n_sites - 1)
 
     def last_weights(self) -> list[Tensor] | None:
         if any(w is None for w in self._weights):
             return None
         return list(self._weights)  # type: ignore[arg-type]
+
+
+# The fused path is opaque to torch.compile (a buffer mutated behind autograd's back, state shared between
+# sites): compiling a model that uses it compiles the sublayers between these calls, which run eagerly.
+# The profiler ranges let ``mhar-ablate bench`` attribute kernel time to routing (fused.py marks backward).
+@torch.compiler.disable
+def _fused_start(residual: MHARResidual, x0: Tensor) -> FusedState:
+    with routing_range():
+        return FusedState(residual, x0)
+
+
+@torch.compiler.disable
+def _fused_read(state: FusedState, site: int) -> Tensor:
+    with routing_range():
+        return state.read(site)
+
+
+@torch.compiler.disable
+def _fused_write(state: FusedState, site: int, out: Tensor) -> None:
+    with routing_range():
+        state.write(site, out)
 
 
 class AttnResResidual(MHARResidual):

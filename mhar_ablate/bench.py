@@ -1,0 +1,512 @@
+"""``mhar-ablate bench model``: training-step throughput, peak memory and routing time of the residual
+variants, measured on one GPU, so that "is MHAR worth it per hour?" has numbers behind it.
+
+For one model preset it trains, on random tokens, the baseline and the routed variants (AttnRes, MHAR
+with H routing heads; ``full`` and ``block:4`` grouping; the reference path and the fused path), each
+eager and under ``torch.compile``, and reports per variant: tokens/s, the ratio to the baseline of the
+same compile mode, peak memory, and the step time split into routing and the rest. A step is what
+training does: forward and loss under bf16 autocast, backward, fused AdamW (routing parameters without
+weight decay). Times are CUDA-event medians over several steps after warm-up (compilation excluded).
+
+The split comes from one extra step under ``torch.profiler``: routing is the GPU time of the kernels
+launched inside the ``mhar::routing`` ranges (forward) and by the backward nodes those ranges created
+(matched by autograd sequence number) or marked themselves (the fused path's backward); ``kernel_ms`` is
+the GPU time of all the step's kernels, so that step time minus kernel time is what the GPU spent waiting
+on the host. The split is not measured for compiled reference-path variants, whose routing kernels are
+fused with their neighbours. ``--check`` first compares the fused path with the reference on a small model.
+
+Without a GPU the command refuses, unless ``--device cpu`` asks for a small smoke run (tiny shapes, fp32,
+eager variants only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import fnmatch
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .errors import UsageError
+
+# torch is imported inside the functions that run: the command line builds this parser for every command.
+
+# The paper's tokens per step: 8 sequences of the preset's length (8 x 2048 at 100M, 8 x 1024 otherwise).
+PAPER_BATCH = 8
+PAPER_VOCAB = 151_936  # Qwen3 tokenizer, tied embeddings
+CPU_SHAPE = (1, 16)  # --device cpu: a smoke run, not a measurement
+
+
+@dataclass(frozen=True)
+class Variant:
+    routing: str  # baseline | attnres | mhar
+    grouping: str | None  # full | block:4 (None for the baseline)
+    path: str | None  # reference | fused (None for the baseline)
+    compiled: bool
+    sites_per_pass: int | None = None  # fused path: consecutive sites sharing one pass over the history
+
+    @property
+    def name(self) -> str:
+        mode = "compiled" if self.compiled else "eager"
+        if self.routing == "baseline":
+            return f"baseline-{mode}"
+        path = "ref" if self.path == "reference" else "fused"
+        return f"{self.routing}-{self.grouping.replace(':', '')}-{path}-{mode}"
+
+
+def all_variants(sites_per_pass: list[int | None]) -> list[Variant]:
+    """Eager variants first, then compiled ones; the baseline first in each mode."""
+    out = []
+    for compiled in (False, True):
+        out.append(Variant("baseline", None, None, compiled))
+        for routing in ("attnres", "mhar"):
+            for grouping in ("full", "block:4"):
+                out.append(Variant(routing, grouping, "reference", compiled))
+                out.extend(Variant(routing, grouping, "fused", compiled, g) for g in sites_per_pass)
+    return out
+
+
+def select_variants(spec: str, variants: list[Variant]) -> list[Variant]:
+    """Comma-separated names or shell patterns (``mhar-full-*``); the baseline of each selected compile
+    mode is added, since every ratio is taken against it."""
+    patterns = [p.strip() for p in spec.split(",") if p.strip()]
+    chosen = []
+    for pattern in patterns:
+        hits = [v for v in variants if fnmatch.fnmatchcase(v.name, pattern) or (pattern == "all")]
+        if not hits:
+            names = ", ".join(dict.fromkeys(v.name for v in variants))
+            raise UsageError(f"--variants: {pattern!r} matches no variant; the variants are {names}")
+        chosen.extend(h for h in hits if h not in chosen)
+    for compiled in {v.compiled for v in chosen}:
+        base = Variant("baseline", None, None, compiled)
+        if base not in chosen:
+            chosen.append(base)
+    return [v for v in variants if v in chosen]  # in the canonical order
+
+
+def add_bench_parser(subparsers: Any) -> None:
+    """Add ``bench`` (with its one target, ``model``) to the command line's subparsers."""
+    bench = subparsers.add_parser("bench", help="measure training speed and memory of the residual variants on a GPU")
+    targets = bench.add_subparsers(dest="bench_target", metavar="TARGET", parser_class=type(bench))
+    m = targets.add_parser("model", help="training step of each variant: tokens/s, ratio to the baseline, "
+                                         "peak memory, routing time")
+    m.add_argument("--preset", default="paper350m", help="model preset from configs/ (default: paper350m)")
+    m.add_argument("--variants", default="all", metavar="LIST",
+                   help="comma-separated variant names or patterns, e.g. 'mhar-full-*,*-compiled' (default: all); "
+                        "names: baseline-{eager,compiled}, {attnres,mhar}-{full,block4}-{ref,fused}-{eager,compiled}")
+    m.add_argument("--heads", type=int, default=8, help="routing heads of the mhar variants (default 8)")
+    m.add_argument("--sites-per-pass", default=None, metavar="N[,N...]",
+                   help="fused path: sites sharing one pass over the history (default: the model's); "
+                        "several values give one row each")
+    m.add_argument("--batch", type=int, help="sequences per step (default 8; 1 with --device cpu)")
+    m.add_argument("--seq", type=int, help="tokens per sequence (default: the preset's seq_len; 16 with --device cpu)")
+    m.add_argument("--steps", type=int, default=10, help="timed steps, after warm-up (default 10)")
+    m.add_argument("--warmup", type=int, default=3, help="untimed steps first, compilation included (default 3)")
+    m.add_argument("--no-split", action="store_true", help="skip the profiled step that splits routing time off")
+    m.add_argument("--check", action="store_true",
+                   help="first check the fused path against the reference (loss and gradients, small model)")
+    m.add_argument("--json", metavar="FILE", help="also write the rows as a JSON list")
+    m.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cuda (default), or cpu for a small smoke run of the command itself")
+    m.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    if getattr(args, "bench_target", None) != "model":
+        raise UsageError("bench needs a target: mhar-ablate bench model [--preset NAME] ...")
+    return bench_model(args)
+
+
+# ------------------------------------------------------------------------------------------------ the command
+
+
+def _sites_per_pass(text: str | None) -> list[int | None]:
+    if text is None:
+        return [None]
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"--sites-per-pass takes positive integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise UsageError(f"--sites-per-pass takes positive integers, got {text!r}")
+    return values
+
+
+def bench_model(args: argparse.Namespace) -> int:
+    import torch
+
+    from .config import build_config
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("bench model measures a GPU and this machine has none (torch sees no CUDA device); "
+                         "--device cpu runs a small smoke test of the command instead")
+    if args.steps < 1 or args.warmup < 1:
+        raise UsageError("--steps and --warmup must be at least 1")
+    if args.heads < 1:
+        raise UsageError(f"--heads must be positive, got {args.heads}")
+    variants = select_variants(args.variants, all_variants(_sites_per_pass(args.sites_per_pass)))
+    device = torch.device(args.device)
+    cpu = device.type == "cpu"
+    if cpu:
+        variants = [v for v in variants if not v.compiled]
+        if not variants:
+            raise UsageError("--device cpu runs eager variants only: select some, e.g. --variants '*-eager'")
+    model_cfg = build_config(overrides={"model.preset": args.preset, "residual.kind": "baseline"}).model
+    batch = args.batch or (CPU_SHAPE[0] if cpu else PAPER_BATCH)
+    seq = args.seq or (CPU_SHAPE[1] if cpu else model_cfg.seq_len)
+    vocab = model_cfg.vocab_size or PAPER_VOCAB
+    if batch < 1 or not 1 <= seq <= model_cfg.seq_len:
+        raise UsageError(f"--batch must be positive and --seq between 1 and the preset's seq_len {model_cfg.seq_len}")
+
+    env = {"device": torch.cuda.get_device_name(device) if not cpu else "cpu", "torch": torch.__version__,
+           "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+    precision = "fp32, AdamW (a smoke run)" if cpu else "bf16 autocast, fused AdamW"
+    print(f"bench model: preset {args.preset} (d={model_cfg.d_model}, {model_cfg.n_layers} layers, vocab {vocab:,}), "
+          f"{batch} x {seq} tokens a step, {precision}; {env['device']}, torch {env['torch']}", flush=True)
+    if args.check and cpu:
+        raise UsageError("--check needs a GPU (on CPU the test suite checks the fused path)")
+    if args.check and not check_fused(device):
+        print("fused path check FAILED: nothing timed", file=sys.stderr)
+        return 1
+
+    rows = []
+    for v in variants:
+        print(f"-- {v.name}" + (f" (sites per pass {v.sites_per_pass})" if v.sites_per_pass else ""), flush=True)
+        row = run_variant(v, args, batch, seq, vocab, device)
+        row.update(preset=args.preset, batch=batch, seq=seq, vocab=vocab, **env)
+        rows.append(row)
+        print("   " + _row_summary(row), flush=True)
+        _ratios(rows)
+        if args.json:  # after every row: a run cut short still leaves what it measured
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    print()
+    print(render_table(rows))
+    return 0
+
+
+def _ratios(rows: list[dict]) -> None:
+    """Tokens/s and peak memory of each row over the baseline's of the same compile mode."""
+    for row in rows:
+        base = next((r for r in rows if r["routing"] == "baseline" and r["compiled"] == row["compiled"]), None)
+        ok = base is not None and base["tokens_per_s"] and row["tokens_per_s"]
+        row["ratio_to_baseline"] = round(row["tokens_per_s"] / base["tokens_per_s"], 4) if ok else None
+        row["peak_ratio_to_baseline"] = (round(row["peak_gb"] / base["peak_gb"], 4)
+                                         if ok and row["peak_gb"] and base["peak_gb"] else None)
+
+
+def _row_summary(row: dict) -> str:
+    if row["status"] != "ok":
+        return row["status"]
+    split = "" if row["routing_ms"] is None else f", routing {row['routing_ms']:.1f} ms"
+    if row["kernel_ms"] is not None:
+        split += f", kernels {row['kernel_ms']:.1f} ms"
+    if row.get("routing_top"):
+        split += "; top routing kernels: " + ", ".join(f"{n} {ms:.1f}" for n, ms in row["routing_top"])
+    peak = "" if row["peak_gb"] is None else f", peak {row['peak_gb']:.1f} GB"
+    return f"{row['step_ms']:.1f} ms/step, {row['tokens_per_s']:,.0f} tokens/s{peak}{split}"
+
+
+def render_table(rows: list[dict]) -> str:
+    """The rows as a Markdown table (what ``docs/benchmarks.md`` shows)."""
+    head = ("| variant | sites/pass | tokens/s | × baseline | peak GB | × baseline peak | step ms | routing ms "
+            "| rest ms | kernel ms | status |")
+    lines = [head, "|" + "---|" * 11]
+
+    def f(x, fmt):
+        return "–" if x is None else format(x, fmt)
+
+    for r in rows:
+        lines.append(f"| {r['variant']} | {f(r['sites_per_pass'], 'd')} | {f(r['tokens_per_s'], ',.0f')} "
+                     f"| {f(r['ratio_to_baseline'], '.3f')} | {f(r['peak_gb'], '.1f')} "
+                     f"| {f(r.get('peak_ratio_to_baseline'), '.3f')} | {f(r['step_ms'], '.1f')} "
+                     f"| {f(r['routing_ms'], '.1f')} | {f(r['rest_ms'], '.1f')} | {f(r['kernel_ms'], '.1f')} "
+                     f"| {r['status']} |")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ one variant
+
+
+def _build(v: Variant, preset: str, heads: int, vocab: int, device: torch.device):
+    import torch
+
+    from .config import build_config
+    from .model import Decoder
+
+    over = {"model.preset": preset, "residual.kind": v.routing}
+    if v.routing != "baseline":
+        over.update({"residual.grouping": v.grouping, "residual.backend": "triton" if v.path == "fused" else "reference"})
+        if v.routing == "mhar":
+            over["residual.heads"] = str(heads)
+    cfg = build_config(overrides=over)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Decoder(cfg.model, cfg.residual, vocab)
+    if v.sites_per_pass is not None:
+        model.residual.sites_per_pass = v.sites_per_pass
+    return model
+
+
+def run_variant(v: Variant, args: argparse.Namespace, batch: int, seq: int, vocab: int,
+                device: torch.device) -> dict:
+    """One row: the measurement, or the reason there is none (out of memory, an error)."""
+    import torch
+
+    row: dict[str, Any] = {
+        "variant": v.name, "routing": v.routing,
+        "heads": None if v.routing == "baseline" else (1 if v.routing == "attnres" else args.heads),
+        "grouping": v.grouping, "path": v.path, "compiled": v.compiled, "sites_per_pass": None,
+        "tokens_per_s": None, "peak_gb": None, "step_ms": None, "routing_ms": None, "rest_ms": None,
+        "kernel_ms": None, "warmup_s": None, "status": "ok"}
+    try:
+        _measure(v, args, batch, seq, vocab, device, row)
+    except torch.OutOfMemoryError:
+        row["status"] = "out of memory"
+    except Exception as e:  # a row that says what broke, and the next variant still runs
+        row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        traceback.print_exc()
+    # The model, its optimiser and any half-built graph died with _measure's frame and the exception.
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def _measure(v: Variant, args: argparse.Namespace, batch: int, seq: int, vocab: int, device: torch.device,
+             row: dict) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    cuda = device.type == "cuda"
+    if v.compiled:
+        torch._dynamo.reset()  # each model compiles afresh: no stale guards, no cache-size fallback to eager
+    model = _build(v, args.preset, args.heads, vocab, device)
+    if v.path == "fused":
+        row["sites_per_pass"] = model.residual.sites_per_pass
+    opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-4, betas=(0.9, 0.95), fused=cuda)
+    gen = torch.Generator(device=device).manual_seed(1)
+    data = [torch.randint(0, vocab, (batch, seq + 1), device=device, generator=gen) for _ in range(3)]
+    data = [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
+
+    def loss_fn(x, y):
+        logits = model(x)
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
+
+    fn = torch.compile(loss_fn) if v.compiled else loss_fn
+
+    def step(i: int) -> torch.Tensor:
+        x, y = data[i % len(data)]
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = fn(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    t0 = time.perf_counter()
+    for i in range(args.warmup):
+        step(i)
+    _sync(device)
+    row["warmup_s"] = round(time.perf_counter() - t0, 1)
+    times, loss = _timed_steps(step, args.warmup, args.steps, device)
+    if not math.isfinite(loss.item()):
+        raise RuntimeError(f"the loss is {loss.item()}")
+    row["step_ms"] = round(statistics.median(times), 2)
+    row["tokens_per_s"] = round(batch * seq / (row["step_ms"] / 1e3), 1)
+    if cuda:
+        row["peak_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
+    if not args.no_split and not (v.compiled and v.path == "reference"):
+        split = _split(model, step, device, v.compiled)
+        if v.routing != "baseline":
+            row["routing_ms"] = round(split["routing_ms"], 2)
+            row["rest_ms"] = round(row["step_ms"] - row["routing_ms"], 2)
+            row["routing_top"] = split.get("routing_top")
+        if "kernel_ms" in split:
+            row["kernel_ms"] = round(split["kernel_ms"], 2)
+
+
+def _sync(device: torch.device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed_steps(step, first: int, n: int, device: torch.device) -> tuple[list[float], torch.Tensor]:
+    """Milliseconds per step: CUDA events around each step (no synchronisation between steps, so the
+    host runs ahead as in training), or the host clock on CPU."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+        for i, (a, b) in enumerate(marks):
+            a.record()
+            loss = step(first + i)
+            b.record()
+        torch.cuda.synchronize(device)
+        return [a.elapsed_time(b) for a, b in marks], loss
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        loss = step(first + i)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times, loss
+
+
+def _split(model, step, device: torch.device, compiled: bool) -> dict:
+    """Routing time in one profiled step: kernel time on a GPU (CPU time on a CPU run), the total kernel
+    time of the step (the GPU was idle for the rest: waiting on the host) and the costliest routing
+    kernels."""
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    from .model.residual.fused import ROUTING_RANGE
+
+    residual = model.residual
+    patched = {}
+    # The reference path has no ranges of its own: wrap its calls for this step (the fused path marks its
+    # forward and backward itself, and the instance is left as it was afterwards). Not under compile,
+    # where a patched method would fail the guards and recompile the model.
+    for name in ("start", "read", "write", "finish") if not compiled else ():
+        method = getattr(residual, name)
+
+        def wrapped(*a, _m=method):
+            with record_function(ROUTING_RANGE):
+                return _m(*a)
+
+        patched[name] = wrapped
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    try:
+        for name, fn in patched.items():
+            setattr(residual, name, fn)
+        with profile(activities=activities) as prof:
+            step(10_000)
+            _sync(device)
+    finally:
+        for name in patched:
+            delattr(residual, name)
+    return routing_time(prof.events(), device.type == "cuda")
+
+
+def routing_time(events, on_device: bool) -> dict:
+    """Attribute time to routing: the ``mhar::routing`` ranges, and the backward nodes whose forward op ran
+    inside one (same autograd sequence number). On a GPU, the durations of the kernels launched under
+    them (each kernel once); on a CPU, the outermost ranges' CPU time. Milliseconds."""
+    from collections import Counter
+
+    from .model.residual.fused import ROUTING_RANGE
+
+    def inside(e) -> bool:
+        p = e.cpu_parent
+        while p is not None:
+            if p.name == ROUTING_RANGE:
+                return True
+            p = p.cpu_parent
+        return False
+
+    forward_seq = {(e.sequence_nr, e.thread) for e in events
+                   if e.sequence_nr >= 0 and not e.name.startswith("autograd::engine") and inside(e)}
+    chosen = {id(e) for e in events if e.name == ROUTING_RANGE
+              or (e.name.startswith("autograd::engine::evaluate_function")
+                  and (e.sequence_nr, e.fwd_thread) in forward_seq)}
+
+    def routed(e) -> bool:
+        while e is not None:
+            if id(e) in chosen:
+                return True
+            e = e.cpu_parent
+        return False
+
+    if not on_device:
+        total = sum(e.cpu_time_total for e in events if id(e) in chosen and not routed(e.cpu_parent))
+        return {"routing_ms": total / 1e3}
+    routing, busy, top = 0.0, 0.0, Counter()
+    for e in events:
+        kernels = [k for k in e.kernels if k.name != ROUTING_RANGE]
+        if not kernels:
+            continue
+        us = sum(k.duration for k in kernels)
+        busy += us
+        if routed(e):
+            routing += us
+            for k in kernels:
+                top[k.name[:60]] += k.duration
+    return {"routing_ms": routing / 1e3, "kernel_ms": busy / 1e3,
+            "routing_top": [[name, round(us / 1e3, 2)] for name, us in top.most_common(6)]}
+
+
+# ------------------------------------------------------------------------------------------------ the check
+
+
+def _grads(model, idx, targets, autocast: bool) -> tuple[float, dict[str, torch.Tensor]]:
+    import torch
+    import torch.nn.functional as F
+
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(idx.device.type, dtype=torch.bfloat16, enabled=autocast):
+        logits = model(idx)
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+    loss.backward()
+    return loss.item(), {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _worst(grads: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> tuple[float, str]:
+    errs = {n: ((grads[n] - g).norm() / g.norm()).item() for n, g in truth.items() if g.norm() > 0}
+    name = max(errs, key=errs.get)
+    return errs[name], name
+
+
+def check_fused(device: torch.device) -> bool:
+    """The fused path against the reference on a small model (d 384, H 8: head width 48 = 32 + 16): loss
+    and every gradient, in fp32 (tight) and under bf16 autocast (against an fp32 truth, no further from it
+    than three times the bf16 reference, or 5 % for the worst parameter: a bug is off by far more), and
+    bitwise determinism of the fused gradients."""
+    import torch
+
+    from .config import build_config
+    from .model import Decoder
+
+    ok = True
+    tokens = (4, 256)
+    for kind, grouping, heads in (("mhar", "full", 8), ("mhar", "block:4", 8), ("attnres", "full", 1)):
+        over = {"model.preset": "small", "residual.kind": kind, "residual.grouping": grouping, "residual.heads": str(heads),
+                "residual.query_init": "normal:0.1", "residual.backend": "reference"}
+        cfg = build_config(overrides=over)
+        torch.manual_seed(0)
+        with torch.device(device):
+            ref = Decoder(cfg.model, cfg.residual, 4096)
+        with torch.no_grad():
+            ref.residual.key_weight.add_(0.3 * torch.randn_like(ref.residual.key_weight))
+        fused = copy.deepcopy(ref)
+        fused.residual.backend = "triton"
+        gen = torch.Generator(device=device).manual_seed(2)
+        idx = torch.randint(0, 4096, tokens, device=device, generator=gen)
+        targets = torch.randint(0, 4096, tokens, device=device, generator=gen)
+        loss_t, truth = _grads(ref, idx, targets, autocast=False)
+        loss_f32, g_f32 = _grads(fused, idx, targets, autocast=False)
+        loss_r, g_r = _grads(ref, idx, targets, autocast=True)
+        loss_f, g_f = _grads(fused, idx, targets, autocast=True)
+        _, g_f2 = _grads(fused, idx, targets, autocast=True)
+        e32, n32 = _worst(g_f32, truth)
+        er, _ = _worst(g_r, truth)
+        ef, nf = _worst(g_f, truth)
+        deterministic = all(torch.equal(g_f[n], g_f2[n]) for n in g_f)
+        passed = (abs(loss_f32 - loss_t) <= 1e-4 * abs(loss_t) and e32 <= 1e-3 and deterministic
+                  and ef <= max(3 * er, 0.05) and abs(loss_f - loss_t) <= max(3 * abs(loss_r - loss_t), 0.02))
+        ok &= passed
+        print(f"check {kind} {grouping} H={heads}: fp32 loss {loss_t:.5f} fused {loss_f32:.5f}, worst grad rel err "
+              f"{e32:.1e} ({n32}); bf16 vs fp32 truth: loss ref {loss_r - loss_t:+.1e} fused {loss_f - loss_t:+.1e}, "
+              f"worst grad rel err ref {er:.1e} fused {ef:.1e} ({nf}); deterministic {deterministic}: "
+              f"{'ok' if passed else 'FAILED'}", flush=True)
+    return ok

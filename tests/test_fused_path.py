@@ -1,0 +1,157 @@
+"""The fused routed path (residual.backend=triton, through Triton's interpreter on CPU) against the
+reference path: same loss and every gradient, in fp32, on tiny models; checkpointing; saved memory."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from mhar_ablate.config import build_config
+from mhar_ablate.model import Decoder
+from mhar_ablate.model.residual.fused import FusedState, plan_sites
+
+VOCAB = 64
+
+
+def _pair(kind="mhar", grouping="full", heads=None, d=32, layers=2, sites_per_pass=2):
+    """A reference-path model and a fused-path copy with the same (non-trivial) weights."""
+    over = {"residual.kind": kind, "residual.grouping": grouping, "residual.query_init": "normal:0.5",
+            "residual.backend": "reference", "model.d_model": str(d), "model.n_layers": str(layers),
+            "model.n_heads": "2", "model.n_kv_heads": "1", "model.ffn": "48"}
+    if heads is not None:
+        over["residual.heads"] = str(heads)
+    cfg = build_config(overrides=over)
+    torch.manual_seed(3)
+    ref = Decoder(cfg.model, cfg.residual, VOCAB)
+    with torch.no_grad():  # key gains away from 1, so that their gradients and the queries' differ
+        ref.residual.key_weight.add_(0.3 * torch.randn_like(ref.residual.key_weight))
+    fused = copy.deepcopy(ref)
+    fused.residual.backend = "triton"
+    fused.residual.sites_per_pass = sites_per_pass
+    return ref, fused
+
+
+def _loss_and_grads(model, idx, targets):
+    model.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(idx).view(-1, VOCAB), targets.view(-1))
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _assert_same(ref, fused, idx=None):
+    idx = torch.randint(0, VOCAB, (2, 5)) if idx is None else idx
+    targets = torch.randint(0, VOCAB, idx.shape)
+    loss_r, grads_r = _loss_and_grads(ref, idx, targets)
+    loss_f, grads_f = _loss_and_grads(fused, idx, targets)
+    torch.testing.assert_close(loss_f, loss_r, rtol=1e-5, atol=1e-6)
+    for name, g in grads_r.items():
+        assert g.abs().sum() > 0 or name.startswith("residual.") or "norm" in name, name
+        torch.testing.assert_close(grads_f[name], g, rtol=2e-4, atol=2e-6, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("kind,grouping,heads,d,layers,sites_per_pass", [
+    ("mhar", "full", 4, 32, 2, 2),  # groups [0, 1], [2, 3], [4]: shared history, in-group merges, a lone site
+    ("mhar", "full", 4, 48, 2, 3),  # head width 12 = 8 + 4 (the split tile), a group of three
+    ("attnres", "full", None, 32, 2, 4),  # H = 1, one group of four then the final site
+    ("mhar", "layer", 2, 32, 2, 4),  # block sources with a partial sum inside each block
+    ("mhar", "block:2", 8, 32, 3, 2),  # the last block unfinished: the final site sees its partial sum
+])
+def test_fused_matches_reference_in_fp32(kind, grouping, heads, d, layers, sites_per_pass):
+    ref, fused = _pair(kind, grouping, heads, d, layers, sites_per_pass)
+    _assert_same(ref, fused)
+
+
+def test_site_plans_cover_every_site_once_and_stay_inside_blocks():
+    for sublayers, per_pass in ((1, 4), (4, 4), (6, 4), (2, 8)):
+        plans = plan_sites(25, sublayers, per_pass)
+        for s, p in enumerate(plans):
+            assert p.start + p.k == s and 0 <= p.k < p.size <= per_pass
+            assert plans[p.start].k == 0 and plans[p.start].size == p.size
+            if sublayers > 1:  # a group never spans two blocks: one history for all its sites
+                assert p.start // sublayers == s // sublayers and p.history == 1 + s // sublayers
+            else:
+                assert p.history == p.start + 1
+
+
+def test_checkpointed_sublayers_give_the_same_gradients():
+    ref, fused = _pair("mhar", "full", 4)
+    for layer in fused.sublayers:
+        forward = layer.forward
+        layer.forward = lambda *a, _f=forward: checkpoint(_f, *a, use_reentrant=False)
+    _assert_same(ref, fused)
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointing_the_routing_itself_is_refused(reentrant):
+    _, fused = _pair("mhar", "full", 4)
+    read = fused.residual.read
+    fused.residual.read = lambda state, site: checkpoint(read, state, site, use_reentrant=reentrant)
+    with pytest.raises(RuntimeError, match="checkpoint the sublayers only"):
+        # reentrant: refused in forward (run without grad); non-reentrant: when backward recomputes it
+        fused(torch.randint(0, VOCAB, (1, 4))).sum().backward()
+
+
+def test_fused_path_saves_no_per_site_copies_of_the_history():
+    """Saved for backward, beyond what the baseline saves: O(sites) tensors of (N, d), not O(sites^2)."""
+
+    def saved_elements(model, idx):
+        seen: dict[tuple[int, int], int] = {}
+
+        def pack(t):
+            seen[(t.untyped_storage().data_ptr(), t.numel())] = t.numel()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(idx).sum()
+        return sum(seen.values())
+
+    layers, d, idx = 6, 32, torch.randint(0, VOCAB, (1, 4))
+    ref, fused = _pair("mhar", "full", 4, d, layers)
+    base = Decoder(ref.cfg, build_config(overrides={"residual.kind": "baseline"}).residual, VOCAB)
+    n_sites, tokens = 2 * layers + 1, idx.numel()
+    extra_fused = saved_elements(fused, idx) - saved_elements(base, idx)
+    extra_ref = saved_elements(ref, idx) - saved_elements(base, idx)
+    # per site: its output and the group's query rows; the source buffer itself is not saved, it is kept
+    assert extra_fused <= n_sites * (tokens * d + 4 * d)
+    assert extra_ref > 3 * extra_fused  # the stacked reference grows with sites^2
+
+
+def test_backend_choice():
+    ref, fused = _pair("mhar", "full", 4)
+    x0 = torch.zeros(1, 2, 32)
+    assert not ref.residual.uses_fused(x0) and fused.residual.uses_fused(x0)
+    ref.residual.backend = "auto"  # on CPU tensors auto is the reference path
+    assert not ref.residual.uses_fused(x0)
+    assert isinstance(fused.residual.start(x0), FusedState)
+    with pytest.raises(ValueError, match="power of two"):
+        cfg = build_config(overrides={"residual.heads": "3", "model.d_model": "48", "residual.backend": "triton"})
+        Decoder(cfg.model, cfg.residual, VOCAB)
+
+
+def test_recorded_depth_weights_match_the_reference():
+    ref, fused = _pair("mhar", "block:2", 4, 32, 3)
+    idx = torch.randint(0, VOCAB, (1, 5))
+    with torch.no_grad():
+        ref.eval()(idx)
+        fused.eval()(idx)
+    for a, b in zip(ref.residual.last_weights(), fused.residual.last_weights()):
+        torch.testing.assert_close(b, a)
+
+
+def test_buffers_are_freed_after_backward():
+    """The per-pass state (source buffer, gradient buffer, groups) lives exactly as long as the graph:
+    freed by reference counting, with no cycle left for the garbage collector."""
+    import weakref
+
+    _, fused = _pair("mhar", "block:2", 4, 32, 3)
+    states = []
+    start = fused.residual.start
+    fused.residual.start = lambda x0: states.append(start(x0)) or states[-1]
+    fused(torch.randint(0, VOCAB, (1, 4))).sum().backward()
+    ref = weakref.ref(states.pop())
+    assert ref() is None
