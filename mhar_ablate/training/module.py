@@ -83,5 +83,5 @@ class LMModule(L.LightningModule):
     def configure_optimizers(self):
         o = self.cfg.optim
         groups = self.model.param_groups(o.weight_decay)
-        fused = self.device.type == "cuda"
-        return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), fused=fused)
+        # Not fused=True: Lightning refuses gradient clipping with optimizers that unscale internally.
+        return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2))
