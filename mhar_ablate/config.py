@@ -219,6 +219,9 @@ class TrainConfig:
     eval_every: int = 10  # number of evaluations spread evenly over the budget
     eval_batches: int = 4
     heatmap_every: int = 4  # draw the routing heatmap every N evaluations (and always at the end)
+    # Wall-clock seconds between checkpoints (taken at evaluations; always on a stop and at the end).
+    # A checkpoint of a GPU-sized model is hundreds of MB: one per evaluation would dominate short runs.
+    checkpoint_every: float = 120.0
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
     compile: bool = False
     threads: int | None = None  # CPU threads for torch; None: torch's default
@@ -232,6 +235,8 @@ class TrainConfig:
             raise UsageError(f"train.time must be a positive duration, got {self.time}")
         if self.batch_size <= 0:
             raise UsageError(f"train.batch_size must be positive, got {self.batch_size}")
+        if self.checkpoint_every < 0:
+            raise UsageError(f"train.checkpoint_every must be >= 0 seconds, got {self.checkpoint_every}")
         if self.eval_every <= 0 or self.eval_batches <= 0 or self.heatmap_every <= 0:
             raise UsageError("train.eval_every, train.eval_batches and train.heatmap_every must be positive")
         if self.precision not in ("auto", "fp32", "bf16"):

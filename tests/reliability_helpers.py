@@ -12,7 +12,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["model.seq_len=32", "train.batch_size=4", "train.eval_every=6", "train.eval_batches=1",
-        "data.val_sequences=4", "residual.backend=reference", "train.threads=1"]
+        "data.val_sequences=4", "residual.backend=reference", "train.threads=1",
+        "train.checkpoint_every=0"]
 
 
 def write_study(folder: Path, steps: int = 48, extra_arm: str = "") -> Path:

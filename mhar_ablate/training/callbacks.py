@@ -41,11 +41,13 @@ class BudgetCallback(L.Callback):
     def __init__(self, budget: Budget, eval_every: int, heatmap_every: int, val_batches: Callable[[], Iterable],
                  checkpoint: Path, tokens_per_step: int, flops_per_token: float,
                  on_eval: Callable[[int, float, float], bool] | None = None, stop: StopRequest | None = None,
-                 log: Callable[[str], None] | None = print, title: str = ""):
+                 log: Callable[[str], None] | None = print, title: str = "", checkpoint_every: float = 0.0):
         self.budget, self.eval_every, self.heatmap_every = budget, eval_every, heatmap_every
         self.val_batches, self.checkpoint = val_batches, checkpoint
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.on_eval, self.stop, self.emit, self.title = on_eval, stop if stop is not None else StopRequest(), log, title
+        self.checkpoint_every = checkpoint_every
+        self._last_save = time.monotonic()
         self.curve: list[dict[str, float]] = []
         self.next_eval = 0
         self.ema: float | None = None
@@ -95,7 +97,7 @@ class BudgetCallback(L.Callback):
             self._finish(trainer, module, "completed", "")
         elif self.stop:
             self._finish(trainer, module, "interrupted", f"stopped by {self.stop.signal}")
-        elif due:
+        elif due and time.monotonic() - self._last_save >= self.checkpoint_every:
             self._save(trainer)
 
     def on_train_end(self, trainer: L.Trainer, module: LMModule) -> None:
@@ -188,6 +190,7 @@ class BudgetCallback(L.Callback):
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, self.checkpoint)
+            self._last_save = time.monotonic()
         except OSError as e:
             tmp.unlink(missing_ok=True)
             if e.errno == errno.ENOSPC:

@@ -167,7 +167,8 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
     tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
     budget_cb = BudgetCallback(budget, cfg.train.eval_every, cfg.train.heatmap_every, dm.val_dataloader, ckpt,
                                tokens_per_step, flops_per_token(cfg, params), on_eval=on_eval, stop=stop,
-                               log=log if log_evals else None, title=title)
+                               log=log if log_evals else None, title=title,
+                               checkpoint_every=cfg.train.checkpoint_every)
     bar = ProgressBar(budget, budget_cb, desc=title.strip(" :") or "train", position=position)
     logger = TensorBoardLogger(str(run_dir), name="tb", version="", default_hp_metric=False)
     trainer = L.Trainer(
