@@ -58,9 +58,9 @@ def test_wallclock_schedule_follows_training_seconds_not_steps():
 def test_clock_counts_only_what_is_inside_start_stop():
     c = TrainingClock()
     c.start(); time.sleep(0.05); c.stop()
-    time.sleep(0.1)  # e.g. validation
+    time.sleep(0.5)  # e.g. validation
     c.start(); time.sleep(0.05); c.stop()
-    assert 0.09 < c.elapsed < 0.2
+    assert 0.09 < c.elapsed < 0.45  # generous for a loaded machine, but far from the 0.6 s that passed
 
 
 def test_wallclock_run_excludes_validation_time_and_decays_fully(tmp_path, monkeypatch):
