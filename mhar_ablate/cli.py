@@ -111,7 +111,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from .config import build_config
-    from .training.run import find_run, load_run_config, new_run_dir, stop_on_signals, train_run
+    from .training.run import find_run, load_run_config, new_run_dir, train_run
+    from .training.stop import stop_on_signals
 
     output = Path(args.output)
     if args.resume:
@@ -139,7 +140,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_study(args: argparse.Namespace) -> int:
     from .study import StudyDefinition, StudyRun, run_study
-    from .training.run import stop_on_signals
+    from .training.stop import stop_on_signals
 
     definition = StudyDefinition.load(args.name)
     budget = args.budget or "steps"

@@ -227,8 +227,6 @@ def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = _log) -> dic
     from optuna.trial import TrialState
     from tqdm.auto import tqdm
 
-    from .training.run import quiet_lightning, train_run
-
     configs = sr.configs()  # validates every arm before any training
     check_data(configs.values(), sr.output / "cache")
     fingerprint = sr.fingerprint(configs)
@@ -272,6 +270,8 @@ def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = _log) -> dic
     log(f"study {sr.key}: {len(todo)} of {len(grid)} grid points to train "
         f"({len(sr.definition.arms)} arms x {sr.seeds} seeds, {configs[todo[0]].train.budget} budget: "
         f"{_budget_text(configs[todo[0]])}); storage {redact(url)}")
+    from .training.run import quiet_lightning, train_run  # Lightning loads only when something trains
+
     quiet_lightning()
     bar = tqdm(total=len(grid), initial=len(done), desc=sr.key, unit="trial", position=0, dynamic_ncols=True,
                file=sys.stderr, disable=not sys.stderr.isatty())
@@ -343,16 +343,14 @@ def _curve_values(d: StudyDefinition, configs) -> dict[str, Any]:
 def check_data(configs, cache: Path) -> None:
     """Load (and cache) each distinct corpus once up front: a folder without text fails the study at
     once, not an hour in when the first arm that uses it starts."""
-    from .data import TokenDataModule
+    from .data import fitting_windows, load_corpus
 
     seen: set[str] = set()
     for cfg in configs:
-        key = json.dumps([cfg.data.__dict__, cfg.model.seq_len, cfg.train.batch_size], sort_keys=True, default=str)
-        if key in seen:
-            continue
-        seen.add(key)
-        TokenDataModule(cfg.data, cfg.model.seq_len, cfg.train.batch_size, 0, cache,
-                        eval_batches=cfg.train.eval_batches).setup("fit")
+        key = json.dumps([cfg.data.__dict__, cfg.model.seq_len], sort_keys=True, default=str)
+        if key not in seen:
+            seen.add(key)
+            fitting_windows(cfg.data, load_corpus(cfg.data, cache), cfg.model.seq_len, cfg.data.val_sequences)
 
 
 def _budget_text(cfg: RunConfig) -> str:

@@ -5,13 +5,21 @@
 """
 
 from .cache import CACHE_ENV, cache_root
-from .corpus import Corpus, CorpusInfo, load_corpus
-from .datamodule import TokenDataModule
+from .corpus import Corpus, CorpusInfo, fitting_windows, load_corpus
 from .sampling import train_batch, validation_windows
 from .sources import StdlibSummary, stdlib_files, stdlib_summary
 from .tokenizer import BpeTokenizer, ByteTokenizer, Tokenizer
 
 __all__ = [
     "CACHE_ENV", "BpeTokenizer", "ByteTokenizer", "Corpus", "CorpusInfo", "StdlibSummary", "TokenDataModule",
-    "Tokenizer", "cache_root", "load_corpus", "stdlib_files", "stdlib_summary", "train_batch", "validation_windows",
+    "Tokenizer", "cache_root", "fitting_windows", "load_corpus", "stdlib_files", "stdlib_summary", "train_batch", "validation_windows",
 ]
+
+
+def __getattr__(name: str):
+    # The data module pulls in Lightning (seconds of imports); load it only when a run needs it.
+    if name == "TokenDataModule":
+        from .datamodule import TokenDataModule
+
+        return TokenDataModule
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,6 +7,7 @@ so it never overlaps the training part and does not depend on the seed or the mo
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -182,3 +183,30 @@ def load_corpus(cfg: DataConfig, cache_dir: str | Path) -> Corpus:
         from_cache=from_cache,
     )
     return Corpus(tokens[:split], tokens[split:], tokenizer, info)
+
+
+def fitting_windows(cfg: DataConfig, corpus: Corpus, seq_len: int, count: int) -> np.ndarray:
+    """The validation windows of ``corpus``, after checking that it holds at least one training and one
+    validation sequence: a corpus too small for the model is bad input, said before anything trains."""
+    from .sampling import validation_windows
+
+    window = seq_len + 1
+    if len(corpus.train) < window:
+        raise UsageError(f"data.source {cfg.source}: its training part has {len(corpus.train):,} tokens, "
+                         f"fewer than one training sequence of {window:,} (model.seq_len + 1); "
+                         "use more text or a shorter model.seq_len")
+    val = validation_windows(corpus.val, seq_len, count)
+    if not len(val):
+        needed = _tokens_needed(window, cfg.val_fraction)
+        raise UsageError(f"data.source {cfg.source}: its held-out part (data.val_fraction={cfg.val_fraction}) "
+                         f"has {len(corpus.val):,} of its {corpus.info.tokens:,} tokens, fewer than one validation "
+                         f"sequence of {window:,}; it needs at least {needed:,} tokens")
+    return val
+
+
+def _tokens_needed(window: int, val_fraction: float) -> int:
+    """The smallest corpus whose held-out tail (``int(n * val_fraction)`` tokens) holds one window."""
+    n = math.floor(window / val_fraction)
+    while int(n * val_fraction) < window:
+        n += 1
+    return n

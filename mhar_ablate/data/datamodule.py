@@ -17,9 +17,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ..config import DataConfig
-from ..errors import UsageError
-from .corpus import Corpus, load_corpus
-from .sampling import split_xy, train_batch, validation_windows
+from .corpus import Corpus, fitting_windows, load_corpus
+from .sampling import split_xy, train_batch
 from .tokenizer import Tokenizer
 
 _NOT_SET_UP = "TokenDataModule: call setup() first"
@@ -52,14 +51,6 @@ class _ValBatches(Dataset):
         return split_xy(self._windows[k * self._batch_size:(k + 1) * self._batch_size])
 
 
-def _tokens_needed(window: int, val_fraction: float) -> int:
-    """The smallest corpus whose held-out tail (``int(n * val_fraction)`` tokens) holds one window."""
-    n = math.floor(window / val_fraction)
-    while int(n * val_fraction) < window:
-        n += 1
-    return n
-
-
 class TokenDataModule(lightning.LightningDataModule):
     """Token windows of ``seq_len + 1`` tokens from ``cfg``'s corpus, as (x, y) int64 batches."""
 
@@ -84,22 +75,11 @@ class TokenDataModule(lightning.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         corpus = load_corpus(self.cfg, self.cache_dir)
-        window = self.seq_len + 1
-        if len(corpus.train) < window:
-            raise UsageError(f"data.source {self.cfg.source}: its training part has {len(corpus.train):,} tokens, "
-                             f"fewer than one training sequence of {window:,} (model.seq_len + 1); "
-                             "use more text or a shorter model.seq_len")
         count = self.cfg.val_sequences
         if self.eval_batches is not None:
             # Fewer windows, still spread over the whole held-out part rather than bunched at its start.
             count = min(count, self.eval_batches * self.batch_size)
-        val = validation_windows(corpus.val, self.seq_len, count)
-        if not len(val):
-            needed = _tokens_needed(window, self.cfg.val_fraction)
-            raise UsageError(f"data.source {self.cfg.source}: its held-out part (data.val_fraction="
-                             f"{self.cfg.val_fraction}) has {len(corpus.val):,} of its {corpus.info.tokens:,} tokens, "
-                             f"fewer than one validation sequence of {window:,}; it needs at least {needed:,} tokens")
-        self._corpus, self._val = corpus, val
+        self._corpus, self._val = corpus, fitting_windows(self.cfg, corpus, self.seq_len, count)
 
     @property
     def corpus(self) -> Corpus:

@@ -23,18 +23,9 @@ from tqdm.auto import tqdm
 from ..errors import UsageError
 from .budget import Budget, format_seconds
 from .module import LMModule
+from .stop import StopRequest
 
 EMA = 0.9  # smoothing of the train loss plotted per hour
-
-
-class StopRequest:
-    """Set from a signal handler; read between steps, so a stop never lands mid-update."""
-
-    def __init__(self) -> None:
-        self.signal: str | None = None
-
-    def __bool__(self) -> bool:
-        return self.signal is not None
 
 
 class BudgetCallback(L.Callback):

@@ -8,15 +8,13 @@ throughput, memory, parameters) and ``routing.png`` (the final depth weights of 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import signal
 import time
 import warnings
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import lightning as L
 import torch
@@ -29,7 +27,8 @@ from ..errors import UsageError
 from ..io import write_json, write_text
 from ..model import routing_overhead
 from .budget import Budget
-from .callbacks import BudgetCallback, ProgressBar, StopRequest
+from .callbacks import BudgetCallback, ProgressBar
+from .stop import StopRequest
 from .module import LMModule
 
 CHECKPOINT = Path("checkpoints") / "last.ckpt"
@@ -81,30 +80,6 @@ def load_run_config(run_dir: Path) -> RunConfig:
     except (OSError, yaml.YAMLError) as e:
         raise UsageError(f"cannot read {run_dir / 'config.yaml'}: {e}") from None
     return from_dict(data)
-
-
-@contextlib.contextmanager
-def stop_on_signals() -> Iterator[StopRequest]:
-    """SIGINT/SIGTERM ask the run to stop after the current step (checkpoint first); a second SIGINT
-    stops at once. Handlers are restored afterwards, and only the main thread can install them."""
-    stop = StopRequest()
-
-    def handler(signum, frame):
-        if stop and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        stop.signal = signal.Signals(signum).name
-
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield stop
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
