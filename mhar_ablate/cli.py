@@ -126,6 +126,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = build_config(args.config, _overrides(args))
         run_dir = new_run_dir(output, cfg)
     cache = output / "cache"
+    from .data import load_corpus
+
+    print(f"data: {load_corpus(cfg.data, cache).info.describe()}", flush=True)  # cached: train_run reuses it
     print(f"run folder: {run_dir}", flush=True)
     with stop_on_signals() as stop:
         result = train_run(cfg, run_dir, cache, resume=bool(args.resume), stop=stop)

@@ -228,7 +228,7 @@ def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = _log) -> dic
     from tqdm.auto import tqdm
 
     configs = sr.configs()  # validates every arm before any training
-    check_data(configs.values(), sr.output / "cache")
+    corpora = check_data(configs.values(), sr.output / "cache")
     fingerprint = sr.fingerprint(configs)
     sr.output.mkdir(parents=True, exist_ok=True)
     url = storage_url(sr.output, sr.storage)
@@ -270,6 +270,8 @@ def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = _log) -> dic
     log(f"study {sr.key}: {len(todo)} of {len(grid)} grid points to train "
         f"({len(sr.definition.arms)} arms x {sr.seeds} seeds, {configs[todo[0]].train.budget} budget: "
         f"{_budget_text(configs[todo[0]])}); storage {redact(url)}")
+    for text in corpora:
+        log(f"data: {text}")
     from .training.run import quiet_lightning, train_run  # Lightning loads only when something trains
 
     quiet_lightning()
@@ -340,17 +342,19 @@ def _curve_values(d: StudyDefinition, configs) -> dict[str, Any]:
     return out
 
 
-def check_data(configs, cache: Path) -> None:
+def check_data(configs, cache: Path) -> list[str]:
     """Load (and cache) each distinct corpus once up front: a folder without text fails the study at
-    once, not an hour in when the first arm that uses it starts."""
+    once, not an hour in when the first arm that uses it starts. Returns one description per corpus."""
     from .data import fitting_windows, load_corpus
 
-    seen: set[str] = set()
+    seen: dict[str, str] = {}
     for cfg in configs:
         key = json.dumps([cfg.data.__dict__, cfg.model.seq_len], sort_keys=True, default=str)
         if key not in seen:
-            seen.add(key)
-            fitting_windows(cfg.data, load_corpus(cfg.data, cache), cfg.model.seq_len, cfg.data.val_sequences)
+            corpus = load_corpus(cfg.data, cache)
+            fitting_windows(cfg.data, corpus, cfg.model.seq_len, cfg.data.val_sequences)
+            seen[key] = corpus.info.describe()
+    return list(dict.fromkeys(seen.values()))
 
 
 def _budget_text(cfg: RunConfig) -> str:
