@@ -8,23 +8,21 @@ truncated file or a lost manifest leads to a rebuild, never to training on half 
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import UsageError
+from ..io import atomic_writer, raise_if_no_space, write_json
 
 # Bump when the layout or meaning of cached files changes; it is part of every cache key and manifest.
 CACHE_FORMAT = 1
 CACHE_ENV = "MHAR_ABLATE_CACHE"
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def cache_root(cache_dir: str | Path) -> Path:
@@ -44,48 +42,6 @@ def ensure_dir(path: Path) -> Path:
 def digest(obj: Any) -> str:
     """A stable hex key for a JSON-able description of everything that changes a cached file."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-
-
-def raise_if_no_space(e: OSError, path: Path) -> None:
-    if e.errno in _NO_SPACE:
-        raise UsageError(f"no space left on device while writing {path}") from None
-
-
-def _fsync_dir(folder: Path) -> None:
-    # The rename itself must reach the disk too, or a power cut could bring back the old name.
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-@contextmanager
-def atomic_writer(path: Path) -> Iterator[BinaryIO]:
-    """Yield a file whose contents replace ``path`` in one rename once the block finishes without error."""
-    ensure_dir(path.parent)
-    tmp_name = None
-    try:
-        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would keep a cache shared through MHAR_ABLATE_CACHE private
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp_name, path)
-        tmp_name = None
-        _fsync_dir(path.parent)
-    except OSError as e:
-        raise_if_no_space(e, path)
-        raise
-    finally:
-        if tmp_name is not None:
-            Path(tmp_name).unlink(missing_ok=True)
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    with atomic_writer(path) as f:
-        f.write(json.dumps(obj, indent=1, sort_keys=True).encode())
 
 
 class HashingWriter:
@@ -137,7 +93,7 @@ def write_artifact(path: Path, fill: Callable[[HashingWriter], dict[str, Any]]) 
         out = HashingWriter(f)
         extra = fill(out)
     manifest = {**extra, "format": CACHE_FORMAT, "bytes": out.size, "sha256": out.hexdigest()}
-    write_json_atomic(manifest_path(path), manifest)
+    write_json(manifest_path(path), manifest)
     return manifest
 
 

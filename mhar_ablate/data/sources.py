@@ -25,7 +25,8 @@ from urllib.parse import urlparse
 
 from ..config import DataConfig
 from ..errors import UsageError
-from .cache import digest, raise_if_no_space
+from ..io import raise_if_no_space
+from .cache import digest
 
 # Which `datasets` builder reads each supported file type; text builders give one document per file.
 BUILDERS = {".txt": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}

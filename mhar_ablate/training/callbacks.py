@@ -8,9 +8,7 @@ TensorBoard conventions (the README lists them): ``*/loss`` tags use the optimis
 
 from __future__ import annotations
 
-import errno
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -20,7 +18,7 @@ import lightning as L
 import torch
 from tqdm.auto import tqdm
 
-from ..errors import UsageError
+from ..io import commit, raise_if_no_space
 from .budget import Budget, format_seconds
 from .module import LMModule
 from .stop import StopRequest
@@ -178,15 +176,12 @@ class BudgetCallback(L.Callback):
         tmp = self.checkpoint.with_name(self.checkpoint.name + ".tmp")
         try:
             trainer.save_checkpoint(tmp)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, self.checkpoint)
-            self._last_save = time.monotonic()
         except OSError as e:
             tmp.unlink(missing_ok=True)
-            if e.errno == errno.ENOSPC:
-                raise UsageError(f"no space left on device while writing {self.checkpoint}") from None
+            raise_if_no_space(e, self.checkpoint)
             raise
+        commit(tmp, self.checkpoint)
+        self._last_save = time.monotonic()
 
     def _finish(self, trainer: L.Trainer, module: LMModule, status: str, reason: str) -> None:
         self.status, self.reason = status, reason
