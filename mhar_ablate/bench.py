@@ -15,6 +15,11 @@ the GPU time of all the step's kernels, so that step time minus kernel time is w
 on the host. The split is not measured for compiled reference-path variants, whose routing kernels are
 fused with their neighbours. ``--check`` first compares the fused path with the reference on a small model.
 
+``--cuda-graph`` adds a row after each variant's (``NAME-graph``): the same model and optimiser, the whole
+step (forward, backward, optimiser step) captured once in a CUDA graph and replayed. A replay launches no
+Python, so the host cost per routing site is gone and the row measures the GPU work; the baseline is
+captured too, and ``ratio_to_fastest_baseline`` compares every row with the baseline at its best.
+
 Without a GPU the command refuses, unless ``--device cpu`` asks for a small smoke run (tiny shapes, fp32,
 eager variants only).
 """
@@ -31,6 +36,8 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -44,6 +51,7 @@ from .errors import UsageError
 PAPER_BATCH = 8
 PAPER_VOCAB = 151_936  # Qwen3 tokenizer, tied embeddings
 CPU_SHAPE = (1, 16)  # --device cpu: a smoke run, not a measurement
+GRAPH_WARMUP = 3  # side-stream steps before a capture, as in PyTorch's whole-network capture example
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,12 @@ def add_bench_parser(subparsers: Any) -> None:
     m.add_argument("--steps", type=int, default=10, help="timed steps, after warm-up (default 10)")
     m.add_argument("--warmup", type=int, default=3, help="untimed steps first, compilation included (default 3)")
     m.add_argument("--no-split", action="store_true", help="skip the profiled step that splits routing time off")
+    m.add_argument("--cuda-graph", action="store_true",
+                   help="also replay each variant's whole step from a CUDA graph (a NAME-graph row after each): "
+                        "the GPU work without the host's launch cost")
+    # The modes that capture CUDA graphs themselves are left out: --cuda-graph captures the whole step.
+    m.add_argument("--compile-mode", choices=("default", "max-autotune-no-cudagraphs"), default="default",
+                   help="torch.compile mode of the compiled variants (default: default)")
     m.add_argument("--check", action="store_true",
                    help="first check the fused path against the reference (loss and gradients, small model)")
     m.add_argument("--json", metavar="FILE", help="also write the rows as a JSON list")
@@ -160,6 +174,8 @@ def bench_model(args: argparse.Namespace) -> int:
         variants = [v for v in variants if not v.compiled]
         if not variants:
             raise UsageError("--device cpu runs eager variants only: select some, e.g. --variants '*-eager'")
+        if args.cuda_graph:
+            raise UsageError("--cuda-graph needs a GPU: a CUDA graph replays CUDA work, and --device cpu has none")
     model_cfg = build_config(overrides={"model.preset": args.preset, "residual.kind": "baseline"}).model
     batch = args.batch or (CPU_SHAPE[0] if cpu else PAPER_BATCH)
     seq = args.seq or (CPU_SHAPE[1] if cpu else model_cfg.seq_len)
@@ -170,6 +186,8 @@ def bench_model(args: argparse.Namespace) -> int:
     env = {"device": torch.cuda.get_device_name(device) if not cpu else "cpu", "torch": torch.__version__,
            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
     precision = "fp32, AdamW (a smoke run)" if cpu else "bf16 autocast, fused AdamW"
+    if args.cuda_graph:
+        precision += ", each step also replayed from a CUDA graph"
     print(f"bench model: preset {args.preset} (d={model_cfg.d_model}, {model_cfg.n_layers} layers, vocab {vocab:,}), "
           f"{batch} x {seq} tokens a step, {precision}; {env['device']}, torch {env['torch']}", flush=True)
     if args.check and cpu:
@@ -181,27 +199,34 @@ def bench_model(args: argparse.Namespace) -> int:
     rows = []
     for v in variants:
         print(f"-- {v.name}" + (f" (sites per pass {v.sites_per_pass})" if v.sites_per_pass else ""), flush=True)
-        row = run_variant(v, args, batch, seq, vocab, device)
-        row.update(preset=args.preset, batch=batch, seq=seq, vocab=vocab, **env)
-        rows.append(row)
-        print("   " + _row_summary(row), flush=True)
-        _ratios(rows)
-        if args.json:  # after every row: a run cut short still leaves what it measured
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+        for row in run_variant(v, args, batch, seq, vocab, device):
+            row.update(preset=args.preset, batch=batch, seq=seq, vocab=vocab, **env)
+            rows.append(row)
+            print(("   graph: " if row["cuda_graph"] else "   ") + _row_summary(row), flush=True)
+            _ratios(rows)
+            if args.json:  # after every row: a run cut short still leaves what it measured
+                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     print()
     print(render_table(rows))
     return 0
 
 
 def _ratios(rows: list[dict]) -> None:
-    """Tokens/s and peak memory of each row over the baseline's of the same compile mode."""
+    """Tokens/s and peak memory of each row over the baseline's measured the same way (compile mode, CUDA
+    graph or not), and tokens/s over the fastest baseline of the run, whatever its mode: the variant
+    against the baseline at its best."""
+    fastest = max((r["tokens_per_s"] for r in rows
+                   if r["routing"] == "baseline" and r["status"] == "ok" and r["tokens_per_s"]), default=None)
     for row in rows:
-        base = next((r for r in rows if r["routing"] == "baseline" and r["compiled"] == row["compiled"]), None)
+        base = next((r for r in rows if r["routing"] == "baseline" and r["compiled"] == row["compiled"]
+                     and r["cuda_graph"] == row["cuda_graph"]), None)
         ok = base is not None and base["tokens_per_s"] and row["tokens_per_s"]
         row["ratio_to_baseline"] = round(row["tokens_per_s"] / base["tokens_per_s"], 4) if ok else None
         row["peak_ratio_to_baseline"] = (round(row["peak_gb"] / base["peak_gb"], 4)
                                          if ok and row["peak_gb"] and base["peak_gb"] else None)
+        row["ratio_to_fastest_baseline"] = (round(row["tokens_per_s"] / fastest, 4)
+                                            if fastest and row["tokens_per_s"] else None)
 
 
 def _row_summary(row: dict) -> str:
@@ -212,22 +237,25 @@ def _row_summary(row: dict) -> str:
         split += f", kernels {row['kernel_ms']:.1f} ms"
     if row.get("routing_top"):
         split += "; top routing kernels: " + ", ".join(f"{n} {ms:.1f}" for n, ms in row["routing_top"])
+    if row["split_from"]:
+        split += f" (split from the {row['split_from']})"
     peak = "" if row["peak_gb"] is None else f", peak {row['peak_gb']:.1f} GB"
     return f"{row['step_ms']:.1f} ms/step, {row['tokens_per_s']:,.0f} tokens/s{peak}{split}"
 
 
 def render_table(rows: list[dict]) -> str:
     """The rows as a Markdown table (what ``docs/benchmarks.md`` shows)."""
-    head = ("| variant | sites/pass | tokens/s | × baseline | peak GB | × baseline peak | step ms | routing ms "
-            "| rest ms | kernel ms | status |")
-    lines = [head, "|" + "---|" * 11]
+    head = ("| variant | sites/pass | tokens/s | × baseline | × fastest baseline | peak GB | × baseline peak "
+            "| step ms | routing ms | rest ms | kernel ms | status |")
+    lines = [head, "|" + "---|" * 12]
 
     def f(x, fmt):
         return "–" if x is None else format(x, fmt)
 
     for r in rows:
         lines.append(f"| {r['variant']} | {f(r['sites_per_pass'], 'd')} | {f(r['tokens_per_s'], ',.0f')} "
-                     f"| {f(r['ratio_to_baseline'], '.3f')} | {f(r['peak_gb'], '.1f')} "
+                     f"| {f(r['ratio_to_baseline'], '.3f')} | {f(r['ratio_to_fastest_baseline'], '.3f')} "
+                     f"| {f(r['peak_gb'], '.1f')} "
                      f"| {f(r.get('peak_ratio_to_baseline'), '.3f')} | {f(r['step_ms'], '.1f')} "
                      f"| {f(r['routing_ms'], '.1f')} | {f(r['rest_ms'], '.1f')} | {f(r['kernel_ms'], '.1f')} "
                      f"| {r['status']} |")
@@ -258,81 +286,207 @@ def _build(v: Variant, preset: str, heads: int, vocab: int, device: torch.device
 
 
 def run_variant(v: Variant, args: argparse.Namespace, batch: int, seq: int, vocab: int,
-                device: torch.device) -> dict:
-    """One row: the measurement, or the reason there is none (out of memory, an error)."""
+                device: torch.device) -> Iterator[dict]:
+    """The variant's rows, each as soon as it is measured: the ordinary step, then (``--cuda-graph``) the
+    same model's step replayed from a CUDA graph. A measurement that fails is a row that says why (out of
+    memory, an error), and the next one still runs."""
     import torch
 
-    row: dict[str, Any] = {
-        "variant": v.name, "routing": v.routing,
-        "heads": None if v.routing == "baseline" else (1 if v.routing == "attnres" else args.heads),
-        "grouping": v.grouping, "path": v.path, "compiled": v.compiled, "sites_per_pass": None,
-        "tokens_per_s": None, "peak_gb": None, "step_ms": None, "routing_ms": None, "rest_ms": None,
-        "kernel_ms": None, "warmup_s": None, "status": "ok"}
-    try:
-        _measure(v, args, batch, seq, vocab, device, row)
-    except torch.OutOfMemoryError:
-        row["status"] = "out of memory"
-    except Exception as e:  # a row that says what broke, and the next variant still runs
-        row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-        traceback.print_exc()
-    # The model, its optimiser and any half-built graph died with _measure's frame and the exception.
+    row = _new_row(v, args, cuda_graph=False)
+    training = _attempt(row, _measure, v, args, batch, seq, vocab, device, row)
+    yield row
+    if args.cuda_graph:
+        graph_row = _new_row(v, args, cuda_graph=True)
+        if training is None:
+            graph_row["status"] = "not measured: the ordinary step failed"
+        else:
+            _attempt(graph_row, _measure_graph, training, args, batch * seq, row, graph_row)
+        yield graph_row
+    # The model, its optimiser and its gradients (in the graph's pool after a capture) go before the next
+    # variant; a failed measurement's graph died with its frame and the exception.
+    del training
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return row
+
+
+def _new_row(v: Variant, args: argparse.Namespace, cuda_graph: bool) -> dict[str, Any]:
+    return {
+        "variant": v.name + ("-graph" if cuda_graph else ""), "routing": v.routing,
+        "heads": None if v.routing == "baseline" else (1 if v.routing == "attnres" else args.heads),
+        "grouping": v.grouping, "path": v.path, "compiled": v.compiled,
+        "compile_mode": args.compile_mode if v.compiled else None, "cuda_graph": cuda_graph, "sites_per_pass": None,
+        "tokens_per_s": None, "peak_gb": None, "step_ms": None, "routing_ms": None, "rest_ms": None,
+        "kernel_ms": None, "split_from": None, "warmup_s": None, "status": "ok"}
+
+
+def _attempt(row: dict, measure, *args):
+    """``measure(*args)``, or None with the reason in the row's status."""
+    import torch
+
+    try:
+        return measure(*args)
+    except torch.OutOfMemoryError:
+        row["status"] = "out of memory"
+    except Exception as e:  # a row that says what broke, and the next measurement still runs
+        row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        traceback.print_exc()
+    return None
+
+
+class _Training:
+    """What a variant's rows share: the model, its optimiser, a few batches and the loss (compiled or not).
+    Built once per variant: compiling the paper's shapes takes a minute."""
+
+    def __init__(self, v: Variant, args: argparse.Namespace, batch: int, seq: int, vocab: int,
+                 device: torch.device):
+        import torch
+        import torch.nn.functional as F
+
+        self.device, self.cuda = device, device.type == "cuda"
+        if v.compiled:
+            torch._dynamo.reset()  # each model compiles afresh: no stale guards, no cache-size fallback to eager
+        self.model = model = _build(v, args.preset, args.heads, vocab, device)
+        # capturable lets a graph capture step(); the fused kernels do not read it, so the ordinary row runs
+        # the same optimiser at the same speed as without it.
+        self.opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-4, betas=(0.9, 0.95), fused=self.cuda,
+                                     capturable=self.cuda)
+        gen = torch.Generator(device=device).manual_seed(1)
+        data = [torch.randint(0, vocab, (batch, seq + 1), device=device, generator=gen) for _ in range(3)]
+        self.data = [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
+
+        def loss_fn(x, y):
+            logits = model(x)
+            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
+
+        self.loss_fn = torch.compile(loss_fn, mode=args.compile_mode) if v.compiled else loss_fn
+
+    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cuda):
+            return self.loss_fn(x, y)
+
+    def train(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = self.loss(x, y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def step(self, i: int) -> torch.Tensor:
+        return self.train(*self.data[i % len(self.data)])
 
 
 def _measure(v: Variant, args: argparse.Namespace, batch: int, seq: int, vocab: int, device: torch.device,
-             row: dict) -> None:
+             row: dict) -> _Training:
+    """The ordinary row: warm-up (compilation included), timed steps, the profiled step that splits the
+    time; returns the training for the graph row."""
     import torch
-    import torch.nn.functional as F
 
-    cuda = device.type == "cuda"
-    if v.compiled:
-        torch._dynamo.reset()  # each model compiles afresh: no stale guards, no cache-size fallback to eager
-    model = _build(v, args.preset, args.heads, vocab, device)
+    t = _Training(v, args, batch, seq, vocab, device)
     if v.path == "fused":
-        row["sites_per_pass"] = model.residual.sites_per_pass
-    opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-4, betas=(0.9, 0.95), fused=cuda)
-    gen = torch.Generator(device=device).manual_seed(1)
-    data = [torch.randint(0, vocab, (batch, seq + 1), device=device, generator=gen) for _ in range(3)]
-    data = [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
-
-    def loss_fn(x, y):
-        logits = model(x)
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
-
-    fn = torch.compile(loss_fn) if v.compiled else loss_fn
-
-    def step(i: int) -> torch.Tensor:
-        x, y = data[i % len(data)]
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            loss = fn(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
+        row["sites_per_pass"] = t.model.residual.sites_per_pass
     t0 = time.perf_counter()
-    for i in range(args.warmup):
-        step(i)
+    with warnings.catch_warnings():
+        # The optimiser warns that capturable slows uncaptured steps: true of its unfused kernels only.
+        warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True")
+        for i in range(args.warmup):
+            t.step(i)
     _sync(device)
     row["warmup_s"] = round(time.perf_counter() - t0, 1)
-    times, loss = _timed_steps(step, args.warmup, args.steps, device)
-    if not math.isfinite(loss.item()):
-        raise RuntimeError(f"the loss is {loss.item()}")
-    row["step_ms"] = round(statistics.median(times), 2)
-    row["tokens_per_s"] = round(batch * seq / (row["step_ms"] / 1e3), 1)
-    if cuda:
+    if t.cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    _record_times(row, *_timed_steps(t.step, args.warmup, args.steps, device), batch * seq)
+    if t.cuda:
         row["peak_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
     if not args.no_split and not (v.compiled and v.path == "reference"):
-        split = _split(model, step, device, v.compiled)
+        split = _split(t.model, t.step, device, v.compiled)
         if v.routing != "baseline":
             row["routing_ms"] = round(split["routing_ms"], 2)
             row["rest_ms"] = round(row["step_ms"] - row["routing_ms"], 2)
             row["routing_top"] = split.get("routing_top")
         if "kernel_ms" in split:
             row["kernel_ms"] = round(split["kernel_ms"], 2)
+    return t
+
+
+def _measure_graph(t: _Training, args: argparse.Namespace, tokens: int, ordinary: dict, row: dict) -> None:
+    """The graph row: the step captured once, then replayed (untimed, then timed) after copying each batch
+    into the captured inputs."""
+    import torch
+
+    row["sites_per_pass"] = ordinary["sites_per_pass"]
+    x, y = (d.clone() for d in t.data[0])
+    # From before the capture: the peak of the replays alone would miss the activations, which the graph's
+    # pool holds from its capture on.
+    torch.cuda.reset_peak_memory_stats(t.device)
+    t0 = time.perf_counter()
+    graph, loss = _capture(t, x, y)
+
+    def replay(i: int) -> torch.Tensor:
+        next_x, next_y = t.data[i % len(t.data)]
+        x.copy_(next_x)
+        y.copy_(next_y)
+        graph.replay()
+        return loss
+
+    for i in range(args.warmup):
+        replay(i)
+    _sync(t.device)
+    row["warmup_s"] = round(time.perf_counter() - t0, 1)
+    _record_times(row, *_timed_steps(replay, args.warmup, args.steps, t.device), tokens)
+    row["peak_gb"] = round(torch.cuda.max_memory_allocated(t.device) / 1e9, 2)
+    _copy_split(ordinary, row)
+
+
+def _capture(t: _Training, x: torch.Tensor, y: torch.Tensor):
+    """PyTorch's whole-network capture of one step (forward, backward, optimiser step) on the inputs x, y:
+    the graph, and the loss tensor that each replay rewrites."""
+    import torch
+
+    side = torch.cuda.Stream(t.device)
+    side.wait_stream(torch.cuda.current_stream(t.device))
+    with torch.cuda.stream(side):
+        for _ in range(GRAPH_WARMUP):
+            t.train(x, y)
+    torch.cuda.current_stream(t.device).wait_stream(side)
+    # Gradients must be None at capture: the captured backward then allocates them in the graph's pool and
+    # writes rather than accumulates them, so each replay starts afresh with nothing in the graph zeroing them.
+    t.opt.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    home = torch.cuda.current_stream(t.device)
+    try:
+        with torch.cuda.graph(graph):
+            loss = t.loss(x, y)
+            loss.backward()
+            t.opt.step()
+    finally:
+        # A failed capture raises out of torch.cuda.graph's exit before it restores the stream: the next
+        # variant must not run on the capture stream.
+        torch.cuda.set_stream(home)
+    return graph, loss.detach()
+
+
+def _copy_split(ordinary: dict, row: dict) -> None:
+    """A replay runs the kernels of the ordinary step, so the ordinary row's profiled routing and kernel
+    times hold for the graph row; its rest is its own step time less routing."""
+    if ordinary["routing_ms"] is None and ordinary["kernel_ms"] is None:
+        return
+    row["routing_ms"], row["kernel_ms"] = ordinary["routing_ms"], ordinary["kernel_ms"]
+    if "routing_top" in ordinary:
+        row["routing_top"] = ordinary["routing_top"]
+    if row["routing_ms"] is not None:
+        row["rest_ms"] = round(row["step_ms"] - row["routing_ms"], 2)
+    row["split_from"] = "profiled eager-launch step"
+
+
+def _record_times(row: dict, times: list[float], loss: torch.Tensor, tokens: int) -> None:
+    """Median step time and tokens/s, once the last step's loss is known to be finite."""
+    if not math.isfinite(loss.item()):
+        raise RuntimeError(f"the loss is {loss.item()}")
+    row["step_ms"] = round(statistics.median(times), 2)
+    row["tokens_per_s"] = round(tokens / (row["step_ms"] / 1e3), 1)
 
 
 def _sync(device: torch.device) -> None:
@@ -348,7 +502,6 @@ def _timed_steps(step, first: int, n: int, device: torch.device) -> tuple[list[f
     import torch
 
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
         marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
         for i, (a, b) in enumerate(marks):
             a.record()
@@ -479,7 +632,9 @@ def check_fused(device: torch.device) -> bool:
 
     ok = True
     tokens = (4, 256)
-    for kind, grouping, heads in (("mhar", "full", 8), ("mhar", "block:4", 8), ("attnres", "full", 1)):
+    cases = (("mhar", "full", 8, 1), ("mhar", "full", 8, 4), ("mhar", "block:4", 8, 1), ("mhar", "block:4", 8, 8),
+             ("attnres", "full", 1, 1), ("attnres", "full", 1, 4))
+    for kind, grouping, heads, per_pass in cases:
         over = {"model.preset": "small", "residual.kind": kind, "residual.grouping": grouping, "residual.heads": str(heads),
                 "residual.query_init": "normal:0.1", "residual.backend": "reference"}
         cfg = build_config(overrides=over)
@@ -490,6 +645,7 @@ def check_fused(device: torch.device) -> bool:
             ref.residual.key_weight.add_(0.3 * torch.randn_like(ref.residual.key_weight))
         fused = copy.deepcopy(ref)
         fused.residual.backend = "triton"
+        fused.residual.sites_per_pass = per_pass
         gen = torch.Generator(device=device).manual_seed(2)
         idx = torch.randint(0, 4096, tokens, device=device, generator=gen)
         targets = torch.randint(0, 4096, tokens, device=device, generator=gen)
@@ -505,7 +661,7 @@ def check_fused(device: torch.device) -> bool:
         passed = (abs(loss_f32 - loss_t) <= 1e-4 * abs(loss_t) and e32 <= 1e-3 and deterministic
                   and ef <= max(3 * er, 0.05) and abs(loss_f - loss_t) <= max(3 * abs(loss_r - loss_t), 0.02))
         ok &= passed
-        print(f"check {kind} {grouping} H={heads}: fp32 loss {loss_t:.5f} fused {loss_f32:.5f}, worst grad rel err "
+        print(f"check {kind} {grouping} H={heads} sites/pass {per_pass}: fp32 loss {loss_t:.5f} fused {loss_f32:.5f}, worst grad rel err "
               f"{e32:.1e} ({n32}); bf16 vs fp32 truth: loss ref {loss_r - loss_t:+.1e} fused {loss_f - loss_t:+.1e}, "
               f"worst grad rel err ref {er:.1e} fused {ef:.1e} ({nf}); deterministic {deterministic}: "
               f"{'ok' if passed else 'FAILED'}", flush=True)

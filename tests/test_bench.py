@@ -1,4 +1,5 @@
-"""``bench model``: refuses without a GPU, and its CPU smoke mode runs end to end (tiny preset, 2 steps)."""
+"""``bench model``: refuses without a GPU, its CPU smoke mode runs end to end (tiny preset, 2 steps), and the
+bookkeeping of CUDA-graph rows (ratios, table, routing split) holds on hand-made rows."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import json
 import pytest
 import torch
 
-from mhar_ablate.bench import add_bench_parser, all_variants, cmd_bench, select_variants
+from mhar_ablate.bench import (_copy_split, _ratios, add_bench_parser, all_variants, cmd_bench, render_table,
+                                select_variants)
 from mhar_ablate.errors import UsageError
 
 
@@ -35,7 +37,9 @@ def test_cpu_smoke_run_writes_rows(tmp_path, capsys):
         assert r["status"] == "ok" and r["tokens_per_s"] > 0 and not r["compiled"]
         assert {"preset", "routing", "grouping", "path", "compiled", "tokens_per_s", "ratio_to_baseline",
                 "peak_gb"} <= set(r)
+        assert r["cuda_graph"] is False and r["compile_mode"] is None and r["split_from"] is None
     assert rows[0]["ratio_to_baseline"] == 1.0 and rows[1]["routing_ms"] is not None
+    assert rows[0]["ratio_to_fastest_baseline"] == 1.0
     assert "| mhar-full-ref-eager |" in capsys.readouterr().out.splitlines()[-1]
 
 
@@ -47,3 +51,77 @@ def test_variant_selection():
         select_variants("hyper-*", variants)
     with pytest.raises(UsageError, match="--device cpu runs eager variants only"):
         cmd_bench(_args("--device", "cpu", "--preset", "tiny", "--variants", "*-compiled"))
+
+
+def test_cuda_graph_is_refused_on_cpu():
+    with pytest.raises(UsageError, match="--cuda-graph"):
+        cmd_bench(_args("--device", "cpu", "--preset", "tiny", "--variants", "mhar-full-ref-eager", "--cuda-graph"))
+
+
+def _row(variant, routing, compiled, cuda_graph, tokens_per_s, peak_gb=None, status="ok"):
+    return {"variant": variant, "routing": routing, "compiled": compiled, "cuda_graph": cuda_graph,
+            "sites_per_pass": None, "tokens_per_s": tokens_per_s, "peak_gb": peak_gb, "step_ms": None,
+            "routing_ms": None, "rest_ms": None, "kernel_ms": None, "status": status}
+
+
+def _graph_run():
+    return [
+        _row("baseline-eager", "baseline", False, False, 100.0, 2.0),
+        _row("baseline-eager-graph", "baseline", False, True, 200.0, 4.0),
+        _row("mhar-full-fused-eager", "mhar", False, False, 50.0, 3.0),
+        _row("mhar-full-fused-eager-graph", "mhar", False, True, 150.0, 5.0),
+        _row("baseline-compiled", "baseline", True, False, 250.0, 2.0),
+        _row("baseline-compiled-graph", "baseline", True, True, 400.0, 2.5),
+        _row("mhar-full-fused-compiled", "mhar", True, False, 125.0, 3.0),
+        _row("mhar-full-fused-compiled-graph", "mhar", True, True, 300.0, 5.0),
+        _row("mhar-block4-fused-compiled-graph", "mhar", True, True, None, status="out of memory"),
+    ]
+
+
+def test_ratios_pair_rows_by_compile_mode_and_graph():
+    rows = _graph_run()
+    _ratios(rows)
+    by = {r["variant"]: r for r in rows}
+    assert by["mhar-full-fused-eager"]["ratio_to_baseline"] == 0.5  # over baseline-eager
+    assert by["mhar-full-fused-eager-graph"]["ratio_to_baseline"] == 0.75  # over baseline-eager-graph
+    assert by["mhar-full-fused-eager-graph"]["peak_ratio_to_baseline"] == 1.25
+    assert by["mhar-full-fused-compiled"]["ratio_to_baseline"] == 0.5  # over baseline-compiled
+    assert by["mhar-full-fused-compiled-graph"]["ratio_to_baseline"] == 0.75  # over baseline-compiled-graph
+    assert by["mhar-full-fused-compiled-graph"]["peak_ratio_to_baseline"] == 2.0
+    # The fastest baseline of the run, whatever its mode: baseline-compiled-graph at 400 tokens/s.
+    assert [r["ratio_to_fastest_baseline"] for r in rows] == [0.25, 0.5, 0.125, 0.375, 0.625, 1.0, 0.3125, 0.75, None]
+    assert by["mhar-block4-fused-compiled-graph"]["ratio_to_baseline"] is None
+
+
+def test_fastest_baseline_is_an_ok_row():
+    rows = _graph_run()
+    rows[5]["status"] = "error: RuntimeError: the loss is nan"  # baseline-compiled-graph
+    _ratios(rows)
+    assert rows[7]["ratio_to_fastest_baseline"] == 1.2  # mhar-full-fused-compiled-graph over baseline-compiled
+
+
+def test_table_shows_the_fastest_baseline_column():
+    rows = _graph_run()
+    _ratios(rows)
+    lines = render_table(rows).splitlines()
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert head[3:5] == ["× baseline", "× fastest baseline"]
+    assert lines[1].count("---") == len(head)
+    cells = {line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")] for line in lines[2:]}
+    assert cells["mhar-full-fused-compiled-graph"][3:5] == ["0.750", "0.750"]
+    assert cells["mhar-block4-fused-compiled-graph"][4] == "–"
+    assert all(len(c) == len(head) for c in cells.values())
+
+
+def test_graph_row_takes_the_profiled_split():
+    ordinary = _row("mhar-full-fused-compiled", "mhar", True, False, 125.0)
+    ordinary.update(step_ms=160.0, routing_ms=30.0, rest_ms=130.0, kernel_ms=84.0, routing_top=[["k", 20.0]])
+    graph = _row("mhar-full-fused-compiled-graph", "mhar", True, True, 240.0)
+    graph.update(step_ms=85.0, split_from=None)
+    _copy_split(ordinary, graph)
+    assert (graph["routing_ms"], graph["kernel_ms"], graph["rest_ms"]) == (30.0, 84.0, 55.0)
+    assert graph["routing_top"] == [["k", 20.0]] and graph["split_from"] == "profiled eager-launch step"
+    unsplit = _row("baseline-compiled-graph", "baseline", True, True, 400.0)
+    unsplit.update(split_from=None)
+    _copy_split(_row("baseline-compiled", "baseline", True, False, 250.0), unsplit)
+    assert unsplit["routing_ms"] is None and unsplit["split_from"] is None

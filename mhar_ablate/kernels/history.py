@@ -1,4 +1,5 @@
-"""Triton kernels for routing several sites in one pass over a shared history of sources.
+"""Triton kernels of the fused training path (``model/residual/fused.py``): routing sites that read a
+buffer of sources in place, alone or several at once over a shared history.
 
 The per-site op (``mhar_triton``) reads all S sources of a token for one site. In a routed decoder the
 queries are parameters, not functions of the token, so the G consecutive sites of a group can share one
@@ -6,27 +7,33 @@ pass over the sources that were complete when the group began ("the history"): t
 G partial softmax states at once, and each site then merges its partial state with the few sources
 produced inside the group (an online-softmax merge, exact). The backward pass over the history is also
 shared: once all G sites have their output gradients, one pass reads each history source once and writes
-(or adds) its gradient, the sum of the G sites' contributions. History bytes drop by a factor G. With
-G = 1 (the decoder's default, see ``model/residual/fused.py``) these are per-site kernels that read the
-source buffer in place and add source gradients into a gradient buffer.
+(or adds) its gradient, the sum of the G sites' contributions. History bytes drop by a factor G.
 
-Two kernels, each one token per program (the tile of a token is [G, H, head width]):
+Two families of kernels:
 
-* ``_sites_fwd_kernel``: for G sites over S sources laid out ``stride_s`` apart (a contiguous range of
-  the decoder's source buffer), the normalised partial output and the log-sum-exp of each site; it can
-  start from an earlier partial state (``HAS_INIT``: the merge step, G = 1) instead of an empty one.
-* ``_sites_bwd_kernel`` (persistent): the gradient of the S sources summed over G sites, written or
-  added to a gradient buffer (``ACCUMULATE``), and the per-program partial sums of each site's ``qg``
-  gradient (deterministic: summed by torch afterwards, no atomics). With ``COMPUTE_DELTA`` (G = 1) it
-  first computes the site's ``delta = <g, out>`` per head and copies the output gradient into the
-  group's stack, where the shared history pass reads both later.
+* one token per program, the whole row of d channels (``_sites_fwd_kernel``, ``_sites_bwd_kernel``): a
+  single site over its sources (the per-site mode, G = 1) and the merge of a site with the sources it
+  reads beyond its group's history. The RMS of a source is computed from the row, and the gradient
+  through it is applied in the same pass.
+* one token tile and one routing head per program (``_history_fwd_kernel``, ``_history_bwd_kernel``),
+  the shared pass of G > 1 sites. Holding G sites' accumulators for a whole row would fill the register
+  file (measured on the H200: a shared pass of 8 sites over full rows took 53 ms a step against 25 ms for
+  one pass per site); a head's [G, d/H] tile is the size of one site's row. The RMS statistic couples all
+  heads, so these kernels read it from ``rms`` (written once per source by ``write_slot``) and leave the
+  gradient through it as a per-head sum ``dr`` that ``finalize_rms_grad`` applies once the source's
+  gradient is otherwise complete.
 
-The gradient of a site's full output with respect to a history source depends only on the site's full
-softmax (its final log-sum-exp) and ``delta``, not on how the sum was split into history and merge, so the
-history pass needs no partial state from the forward (math as in ``mhar_triton``, per site k):
+Math (per site k, r = rsqrt(mean_c s_c^2 + eps), u_k = <s_h, qg_k,h>, z = r u):
 
-    a_k = exp(r u_k - lse_k),  dz_k = a_k (<g_k, s> - delta_k)
-    ds  = sum_k [a_k g_k + dz_k r qg_k] - (r^3 s / d) sum_k sum_h dz_k,h u_k,h,   dqg_k += dz_k r s
+    forward:   a_k = softmax over sources of z_k,     out_k = sum_s a_k s
+    backward:  dz_k = a_k (<g_k, s> - delta_k),       delta_k = <g_k, out_k>   (flash-attention's identity)
+               ds  = sum_k [a_k g_k + dz_k r qg_k]  +  dr * dr/ds,   dr = sum_k sum_h dz_k,h u_k,h,
+               dr/ds = -r^3 s / d,                    dqg_k += dz_k r s
+
+The gradient of a site's output with respect to a history source depends only on the site's final
+log-sum-exp and ``delta``, not on how the sum was split into history and merge, so the history pass
+needs no partial state from the forward. Log-sum-exps and deltas are laid out (sites, H, N), ``dr``
+(slots, H, N): contiguous along tokens for the head-tiled kernels.
 
 Heads whose width is not a power of two are split into a power-of-two part (DA) and a rest (DB, padded
 to BLOCK_DB), as in ``mhar_triton``; on CPU tensors the kernels run through Triton's interpreter.
@@ -41,7 +48,34 @@ from torch import Tensor
 
 from .mhar_triton import _head_meta, _launch, _num_sms, _resident_programs
 
-__all__ = ["sites_forward", "sites_backward"]
+__all__ = ["write_slot", "sites_forward", "sites_backward", "history_forward", "history_backward",
+           "finalize_rms_grad"]
+
+
+@triton.jit
+def _write_slot_kernel(src_ptr, dst_ptr, rms_ptr, eps, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    # The RMS is taken of the value as stored (rounded to the buffer's dtype): the one every reader sees.
+    tok = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_D)
+    ok = c < D
+    y = tl.load(src_ptr + tok * D + c, mask=ok, other=0.0).to(dst_ptr.dtype.element_ty)
+    tl.store(dst_ptr + tok * D + c, y, mask=ok)
+    yf = y.to(tl.float32)
+    tl.store(rms_ptr + tok, 1.0 / tl.sqrt(tl.sum(yf * yf, axis=0) / D + eps))
+
+
+@triton.jit
+def _finalize_kernel(src_ptr, dsrc_ptr, rms_ptr, dr_ptr, N, D: tl.constexpr, H: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_D)
+    ok = c < D
+    x = tl.load(src_ptr + tok * D + c, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(dsrc_ptr + tok * D + c, mask=ok, other=0.0).to(tl.float32)
+    r = tl.load(rms_ptr + tok)
+    dr = tl.sum(tl.load(dr_ptr + tl.arange(0, H) * N + tok), axis=0)
+    g += (-(r * r * r) / D * dr) * x
+    tl.store(dsrc_ptr + tok * D + c, g.to(dsrc_ptr.dtype.element_ty), mask=ok)
 
 
 # Counts are not specialised on (S == 1, N % 16, ...): every site's S differs, and each specialisation would
@@ -69,7 +103,7 @@ def _sites_fwd_kernel(
     qg_a = tl.load(qg_ptr + k * D + col_a, mask=k_ok, other=0.0)
     if HAS_B:
         qg_b = tl.load(qg_ptr + k * D + col_b, mask=k_ok & b_ok, other=0.0)
-    kh = tl.arange(0, BLOCK_G)[:, None] * N * H + tok * H + tl.arange(0, H)[None, :]  # [BLOCK_G, H]
+    kh = tl.arange(0, BLOCK_G)[:, None] * H * N + tl.arange(0, H)[None, :] * N + tok  # [BLOCK_G, H]
     kh_ok = (tl.arange(0, BLOCK_G) < G)[:, None]
 
     if HAS_INIT:  # continue from a partial state: its normalised output, weight 1 at its log-sum-exp
@@ -138,7 +172,7 @@ def _sites_bwd_kernel(
     N, S, G, stride_s, eps, tokens_per_program,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_G: tl.constexpr, ACCUMULATE: tl.constexpr,
-    COMPUTE_DELTA: tl.constexpr,
+    COMPUTE_DELTA: tl.constexpr, COPY_GRAD: tl.constexpr,
 ):
     # Persistent: program p walks tokens p, p + P, ... so that the qg-gradient partial sums are one
     # [BLOCK_G, D] row per program, not per token.
@@ -167,7 +201,7 @@ def _sites_bwd_kernel(
         tok = tl.minimum(tok, N - 1)
         row = tok * D
         site_row = k.to(tl.int64) * N * D + row
-        kh = tl.arange(0, BLOCK_G)[:, None] * N * H + tok * H + tl.arange(0, H)[None, :]
+        kh = tl.arange(0, BLOCK_G)[:, None] * H * N + tl.arange(0, H)[None, :] * N + tok
         ga = tl.load(g_ptr + site_row + col_a, mask=k_ok, other=0.0).to(tl.float32)
         if HAS_B:
             gb = tl.load(g_ptr + site_row + col_b, mask=k_ok & b_ok, other=0.0).to(tl.float32)
@@ -176,11 +210,14 @@ def _sites_bwd_kernel(
         if COMPUTE_DELTA:
             oa = tl.load(out_ptr + row + col_a).to(tl.float32)
             delta = tl.sum(ga * oa, axis=2)  # [BLOCK_G, H]
-            tl.store(gcopy_ptr + site_row + col_a, ga.to(gcopy_ptr.dtype.element_ty), mask=k_ok & live)
+            if COPY_GRAD:
+                tl.store(gcopy_ptr + site_row + col_a, ga.to(gcopy_ptr.dtype.element_ty), mask=k_ok & live)
             if HAS_B:
                 ob = tl.load(out_ptr + row + col_b, mask=b_ok, other=0.0).to(tl.float32)
                 delta += tl.sum(gb * ob, axis=2)
-                tl.store(gcopy_ptr + site_row + col_b, gb.to(gcopy_ptr.dtype.element_ty), mask=k_ok & b_ok & live)
+                if COPY_GRAD:
+                    tl.store(gcopy_ptr + site_row + col_b, gb.to(gcopy_ptr.dtype.element_ty),
+                             mask=k_ok & b_ok & live)
             tl.store(delta_ptr + kh, delta, mask=kh_ok & live)
         else:
             delta = tl.load(delta_ptr + kh, mask=kh_ok, other=0.0)
@@ -234,6 +271,248 @@ def _sites_bwd_kernel(
         tl.store(part + k * D + col_b, dqg_b, mask=b_ok & (k >= 0))
 
 
+# The head-tiled kernels. A program's tile is [BLOCK_N tokens, BLOCK_G sites, channels of one head]; a
+# source is [BLOCK_N, 1, .] and broadcasts over the sites. Pointers advance per source (int64 offsets
+# past 2^31 elements, as in mhar_triton).
+@triton.jit
+def _load_tile(base, offs, n, N, s, S, extra_mask=None):
+    """Source s's [BLOCK_N, 1, .] tile at ``base + offs``; zeros (and no memory read) past the last source
+    or token. The limit is a tensor comparison: the interpreter takes no scalar in a combined mask."""
+    ok = (n < tl.where(s < S, N, 0))[:, None, None]
+    if extra_mask is not None:
+        ok = ok & extra_mask
+    return tl.load(base + offs, mask=ok, other=0.0)
+
+
+@triton.jit(do_not_specialize=["N", "S", "G"])
+def _history_fwd_kernel(
+    src_ptr, rms_ptr, qg_ptr, out0_ptr, rest_ptr, lse_ptr,
+    N, S, G, stride_s,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
+    BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    tl.static_assert((PREFETCH >= 1) & (PREFETCH <= 3))
+    head = tl.program_id(1)
+    n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    nn = n[:, None, None]
+    k = tl.arange(0, BLOCK_G)[None, :, None]
+    ja = tl.arange(0, DA)[None, None, :]
+    jb = tl.arange(0, BLOCK_DB)[None, None, :]
+    col_a = head * DH + ja
+    col_b = head * DH + DA + jb
+    b_ok = jb < DB
+    k_ok = k < G
+    qg_a = tl.load(qg_ptr + k * D + col_a, mask=k_ok, other=0.0)  # [1, BLOCK_G, DA]
+    if HAS_B:
+        qg_b = tl.load(qg_ptr + k * D + col_b, mask=k_ok & b_ok, other=0.0)
+    offs_a = nn * D + col_a  # [BLOCK_N, 1, DA]
+    offs_b = nn * D + col_b
+
+    m = tl.full([BLOCK_N, BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
+    acc_a = tl.zeros([BLOCK_N, BLOCK_G, DA], tl.float32)
+    if HAS_B:
+        acc_b = tl.zeros([BLOCK_N, BLOCK_G, BLOCK_DB], tl.float32)
+
+    # Sources s + 1 .. s + PREFETCH are in flight while source s is reduced: one head's slice of a row is
+    # small, so one load ahead per program keeps too few bytes moving.
+    src = src_ptr
+    rms = rms_ptr
+    n1 = _load_tile(src, offs_a, n, N, 0, S)
+    r1 = tl.load(rms + n, mask=n < tl.where(S > 0, N, 0), other=1.0)
+    if HAS_B:
+        b1 = _load_tile(src, offs_b, n, N, 0, S, b_ok)
+    if PREFETCH >= 2:
+        n2 = _load_tile(src + stride_s, offs_a, n, N, 1, S)
+        r2 = tl.load(rms + N + n, mask=n < tl.where(S > 1, N, 0), other=1.0)
+        if HAS_B:
+            b2 = _load_tile(src + stride_s, offs_b, n, N, 1, S, b_ok)
+    if PREFETCH >= 3:
+        n3 = _load_tile(src + 2 * stride_s, offs_a, n, N, 2, S)
+        r3 = tl.load(rms + 2 * N + n, mask=n < tl.where(S > 2, N, 0), other=1.0)
+        if HAS_B:
+            b3 = _load_tile(src + 2 * stride_s, offs_b, n, N, 2, S, b_ok)
+    for s in range(S):
+        xa = n1.to(tl.float32)
+        r = r1[:, None]
+        if HAS_B:
+            xb = b1.to(tl.float32)
+        ahead = src + PREFETCH * stride_s
+        r_ahead = tl.load(rms + PREFETCH * N + n, mask=n < tl.where(s + PREFETCH < S, N, 0), other=1.0)
+        if PREFETCH == 1:
+            n1 = _load_tile(ahead, offs_a, n, N, s + 1, S)
+            r1 = r_ahead
+            if HAS_B:
+                b1 = _load_tile(ahead, offs_b, n, N, s + 1, S, b_ok)
+        if PREFETCH == 2:
+            n1, r1 = n2, r2
+            n2 = _load_tile(ahead, offs_a, n, N, s + 2, S)
+            r2 = r_ahead
+            if HAS_B:
+                b1 = b2
+                b2 = _load_tile(ahead, offs_b, n, N, s + 2, S, b_ok)
+        if PREFETCH == 3:
+            n1, r1, n2, r2 = n2, r2, n3, r3
+            n3 = _load_tile(ahead, offs_a, n, N, s + 3, S)
+            r3 = r_ahead
+            if HAS_B:
+                b1, b2 = b2, b3
+                b3 = _load_tile(ahead, offs_b, n, N, s + 3, S, b_ok)
+        src += stride_s
+        rms += N
+        z = tl.sum(xa * qg_a, axis=2)  # [BLOCK_N, BLOCK_G]
+        if HAS_B:
+            z += tl.sum(xb * qg_b, axis=2)
+        z = z * r
+        m_new = tl.maximum(m, z)
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(z - m_new)
+        l = l * alpha + p
+        acc_a = acc_a * alpha[:, :, None] + p[:, :, None] * xa
+        if HAS_B:
+            acc_b = acc_b * alpha[:, :, None] + p[:, :, None] * xb
+        m = m_new
+
+    inv_l = 1.0 / l[:, :, None]
+    n_ok = (n < N)[:, None, None]
+    first = n_ok & (k == 0)
+    later = n_ok & (k > 0) & k_ok
+    rest_offs = (k.to(tl.int64) - 1) * N * D
+    out_a = (acc_a * inv_l).to(out0_ptr.dtype.element_ty)
+    tl.store(out0_ptr + offs_a + k * 0, out_a, mask=first)
+    tl.store(rest_ptr + rest_offs + offs_a, out_a, mask=later)
+    if HAS_B:
+        out_b = (acc_b * inv_l).to(out0_ptr.dtype.element_ty)
+        tl.store(out0_ptr + offs_b + k * 0, out_b, mask=first & b_ok)
+        tl.store(rest_ptr + rest_offs + offs_b, out_b, mask=later & b_ok)
+    kn = tl.arange(0, BLOCK_G)[None, :] * H * N + head * N + n[:, None]  # [BLOCK_N, BLOCK_G]
+    tl.store(lse_ptr + kn, m + tl.log(l), mask=(n < N)[:, None] & (tl.arange(0, BLOCK_G) < G)[None, :])
+
+
+@triton.jit(do_not_specialize=["N", "S", "G", "tiles_per_program"])
+def _history_bwd_kernel(
+    src_ptr, rms_ptr, dsrc_ptr, dr_ptr, qg_ptr, g_ptr, lse_ptr, delta_ptr, dqg_part_ptr,
+    N, S, G, stride_s, tiles_per_program,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
+    BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACCUMULATE: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    tl.static_assert((PREFETCH >= 1) & (PREFETCH <= 3))
+    # Persistent along tokens, one head per program column: program (p, h) walks token tiles p, p + P, ...
+    # and writes its head's columns of one [BLOCK_G, D] row of qg-gradient partial sums.
+    pid = tl.program_id(0)
+    head = tl.program_id(1)
+    num_programs = tl.num_programs(0)
+    k = tl.arange(0, BLOCK_G)[None, :, None]
+    ja = tl.arange(0, DA)[None, None, :]
+    jb = tl.arange(0, BLOCK_DB)[None, None, :]
+    col_a = head * DH + ja
+    col_b = head * DH + DA + jb
+    b_ok = jb < DB
+    k_ok = k < G
+    qg_a = tl.load(qg_ptr + k * D + col_a, mask=k_ok, other=0.0)
+    dqg_a = tl.zeros([1, BLOCK_G, DA], tl.float32)
+    if HAS_B:
+        qg_b = tl.load(qg_ptr + k * D + col_b, mask=k_ok & b_ok, other=0.0)
+        dqg_b = tl.zeros([1, BLOCK_G, BLOCK_DB], tl.float32)
+    kk = tl.arange(0, BLOCK_G)[None, :]
+
+    for i in range(tiles_per_program):
+        n = (pid + i * num_programs).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        nn = n[:, None, None]
+        row_ok = n_ok[:, None, None]
+        offs_a = nn * D + col_a
+        offs_b = nn * D + col_b
+        site_offs = k.to(tl.int64) * N * D
+        ga = tl.load(g_ptr + site_offs + offs_a, mask=row_ok & k_ok, other=0.0).to(tl.float32)
+        if HAS_B:
+            gb = tl.load(g_ptr + site_offs + offs_b, mask=row_ok & k_ok & b_ok, other=0.0).to(tl.float32)
+        kn = kk * H * N + head * N + n[:, None]
+        kn_ok = n_ok[:, None] & (kk < G)
+        # padded sites and tokens get lse = +inf, hence weight 0 and no gradient
+        lse = tl.load(lse_ptr + kn, mask=kn_ok, other=float("inf"))
+        delta = tl.load(delta_ptr + kn, mask=kn_ok, other=0.0)
+
+        src = src_ptr
+        dsrc = dsrc_ptr
+        rms = rms_ptr
+        drp = dr_ptr + head * N + n
+        n1 = _load_tile(src, offs_a, n, N, 0, S)
+        r1 = tl.load(rms + n, mask=n < tl.where(S > 0, N, 0), other=1.0)
+        if HAS_B:
+            b1 = _load_tile(src, offs_b, n, N, 0, S, b_ok)
+        if PREFETCH >= 2:
+            n2 = _load_tile(src + stride_s, offs_a, n, N, 1, S)
+            r2 = tl.load(rms + N + n, mask=n < tl.where(S > 1, N, 0), other=1.0)
+            if HAS_B:
+                b2 = _load_tile(src + stride_s, offs_b, n, N, 1, S, b_ok)
+        if PREFETCH >= 3:
+            n3 = _load_tile(src + 2 * stride_s, offs_a, n, N, 2, S)
+            r3 = tl.load(rms + 2 * N + n, mask=n < tl.where(S > 2, N, 0), other=1.0)
+            if HAS_B:
+                b3 = _load_tile(src + 2 * stride_s, offs_b, n, N, 2, S, b_ok)
+        for s in range(S):
+            xa = n1.to(tl.float32)
+            r = r1
+            if HAS_B:
+                xb = b1.to(tl.float32)
+            ahead = src + PREFETCH * stride_s
+            r_ahead = tl.load(rms + PREFETCH * N + n, mask=n < tl.where(s + PREFETCH < S, N, 0), other=1.0)
+            if PREFETCH == 1:
+                n1 = _load_tile(ahead, offs_a, n, N, s + 1, S)
+                r1 = r_ahead
+                if HAS_B:
+                    b1 = _load_tile(ahead, offs_b, n, N, s + 1, S, b_ok)
+            if PREFETCH == 2:
+                n1, r1 = n2, r2
+                n2 = _load_tile(ahead, offs_a, n, N, s + 2, S)
+                r2 = r_ahead
+                if HAS_B:
+                    b1 = b2
+                    b2 = _load_tile(ahead, offs_b, n, N, s + 2, S, b_ok)
+            if PREFETCH == 3:
+                n1, r1, n2, r2 = n2, r2, n3, r3
+                n3 = _load_tile(ahead, offs_a, n, N, s + 3, S)
+                r3 = r_ahead
+                if HAS_B:
+                    b1, b2 = b2, b3
+                    b3 = _load_tile(ahead, offs_b, n, N, s + 3, S, b_ok)
+            u = tl.sum(xa * qg_a, axis=2)  # [BLOCK_N, BLOCK_G]
+            da = tl.sum(ga * xa, axis=2)
+            if HAS_B:
+                u += tl.sum(xb * qg_b, axis=2)
+                da += tl.sum(gb * xb, axis=2)
+            a = tl.exp(u * r[:, None] - lse)
+            dz = a * (da - delta)
+            rdz = (dz * r[:, None])[:, :, None]
+            dr = tl.sum(dz * u, axis=1)  # [BLOCK_N]: this head's part of the gradient through the RMS
+            dr += tl.load(drp, mask=n_ok, other=0.0)  # ``dr`` starts at zero: always added to
+            a = a[:, :, None]
+            ds_a = tl.sum(a * ga + rdz * qg_a, axis=1, keep_dims=True)  # [BLOCK_N, 1, DA]
+            if ACCUMULATE:
+                ds_a += tl.load(dsrc + offs_a, mask=row_ok, other=0.0).to(tl.float32)
+            tl.store(dsrc + offs_a, ds_a.to(dsrc_ptr.dtype.element_ty), mask=row_ok)
+            tl.store(drp, dr, mask=n_ok)
+            dqg_a += tl.sum(rdz * xa, axis=0, keep_dims=True)
+            if HAS_B:
+                ds_b = tl.sum(a * gb + rdz * qg_b, axis=1, keep_dims=True)
+                if ACCUMULATE:
+                    ds_b += tl.load(dsrc + offs_b, mask=row_ok & b_ok, other=0.0).to(tl.float32)
+                tl.store(dsrc + offs_b, ds_b.to(dsrc_ptr.dtype.element_ty), mask=row_ok & b_ok)
+                dqg_b += tl.sum(rdz * xb, axis=0, keep_dims=True)
+            src += stride_s
+            dsrc += stride_s
+            rms += N
+            drp += H * N
+
+    part = dqg_part_ptr + pid.to(tl.int64) * BLOCK_G * D
+    tl.store(part + k * D + col_a, dqg_a)
+    if HAS_B:
+        tl.store(part + k * D + col_b, dqg_b, mask=b_ok & (k >= 0))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Host functions
 # ----------------------------------------------------------------------------------------------------------
@@ -249,26 +528,57 @@ def _block_g(groups: int) -> int:
 
 
 def _num_warps(d: int, num_heads: int, block_g: int) -> int:
-    """Warps per program. One site: about 8 elements of a [1, H, head] tile per thread, 4 warps at d = 1024
-    (the per-site kernel's measured best; here 25 ms a step of routing kernels at paper350m, near the
-    bandwidth floor). Several sites: their per-token state ([G, H, head] query rows, gradients and
-    accumulators) fills the register file whatever the warp count, so one program is resident per SM;
-    spreading it over more warps, about 4 elements per thread (up to 32), gives that SM more independent
-    instructions in flight (ptxas of triton 3.9: G = 8 at d = 1024 takes ~128 registers a thread at 16
-    warps, ~60 at 32). Still latency-bound: 53 ms a step at G = 8 on the H200."""
+    """Warps per program of the row kernels (G = 1 in practice): about 8 elements of a [1, H, head] tile
+    per thread, 4 warps at d = 1024 (the per-site kernel's measured best on the H200)."""
     meta = _head_meta(d, num_heads)
     width = block_g * num_heads * (meta["DA"] + (meta["BLOCK_DB"] if meta["DB"] else 0))
-    per_thread = 8 if block_g == 1 else 4
-    warps = max(1, width // (32 * per_thread))
+    warps = max(1, width // (32 * 8))
     return min(32, 1 << (warps.bit_length() - 1))
+
+
+# Launch configuration of the head-tiled kernels by the number of sites G (padded): tokens per program,
+# warps, sources in flight ahead of the one being reduced (1 to 3). A
+# benchmark may replace entries to sweep them. On the interpreter: two-token tiles, so that tests cover
+# the token mask, and two sources ahead.
+HISTORY_CONFIG: dict[str, dict[int, tuple[int, int, int]]] = {
+    "fwd": {2: (2, 2, 2), 4: (1, 1, 3), 8: (1, 2, 3), 16: (1, 4, 3)},
+    "bwd": {2: (1, 2, 2), 4: (1, 2, 2), 8: (1, 4, 2), 16: (1, 8, 2)},
+}
+_INTERPRETER_CONFIG = (2, 1, 2)
+
+
+def _history_launch(kind: str, block_g: int, device: torch.device) -> tuple[int, dict]:
+    if device.type == "cpu":
+        block_n, _, prefetch = _INTERPRETER_CONFIG
+        return block_n, {"PREFETCH": prefetch}
+    block_n, warps, prefetch = HISTORY_CONFIG[kind].get(block_g, (1, 8, 2))
+    return block_n, {"num_warps": warps, "PREFETCH": prefetch}
+
+
+def write_slot(source: Tensor, slot: Tensor, rms: Tensor, eps: float) -> None:
+    """Copy ``source`` (N, d), contiguous, into the buffer row ``slot`` (N, d), in the row's dtype, and
+    write the RMS statistic ``rsqrt(mean(x^2) + eps)`` of each stored row to ``rms`` (N,) fp32."""
+    N, d = slot.shape
+    if N:
+        _launch(_write_slot_kernel, (N,), (source, slot, rms, eps),
+                {"D": d, "BLOCK_D": triton.next_power_of_2(d)}, slot.device)
+
+
+def finalize_rms_grad(source: Tensor, grad: Tensor, rms: Tensor, dr: Tensor) -> None:
+    """Add, in place, the gradient through the RMS statistic to ``grad`` (N, d): ``-(r^3 / d) x`` times
+    ``dr`` (H, N) summed over heads, the part the head-tiled backward leaves out."""
+    N, d = grad.shape
+    if N:
+        _launch(_finalize_kernel, (N,), (source, grad, rms, dr, N),
+                {"D": d, "H": dr.shape[0], "BLOCK_D": triton.next_power_of_2(d)}, grad.device)
 
 
 def sites_forward(sources: Tensor, qg: Tensor, num_heads: int, eps: float, out: Tensor, rest: Tensor | None,
                   lse: Tensor, init: Tensor | None = None) -> None:
     """Route ``sources`` (S, N, d), contiguous, for the G sites whose fused query·key-gain rows are ``qg``
-    (G, d) fp32. Writes site 0's normalised output to ``out`` (N, d), site k's to ``rest[k - 1]`` and
-    every site's log-sum-exp to ``lse`` (G, N, H) fp32. With ``init`` (G, N, d) the sites continue from that
-    partial state, whose log-sum-exps are read from ``lse`` first (in place)."""
+    (G, d) fp32, a whole row per program. Writes site 0's normalised output to ``out`` (N, d), site k's to
+    ``rest[k - 1]`` and every site's log-sum-exp to ``lse`` (G, H, N) fp32. With ``init`` (G, N, d) the
+    sites continue from that partial state, whose log-sum-exps are read from ``lse`` first (in place)."""
     S, N, d = sources.shape
     G = qg.shape[0]
     if N == 0:
@@ -281,33 +591,78 @@ def sites_forward(sources: Tensor, qg: Tensor, num_heads: int, eps: float, out: 
     _launch(_sites_fwd_kernel, (N,), args, meta, sources.device)
 
 
+def history_forward(sources: Tensor, rms: Tensor, qg: Tensor, num_heads: int, out: Tensor, rest: Tensor,
+                    lse: Tensor) -> None:
+    """``sites_forward`` for G > 1 sites, tiled by head: reads the sources' RMS from ``rms`` (S, N)."""
+    S, N, d = sources.shape
+    G = qg.shape[0]
+    if N == 0:
+        return
+    block_g = _block_g(G)
+    block_n, launch = _history_launch("fwd", block_g, sources.device)
+    meta = {**_meta(d, num_heads), "BLOCK_G": block_g, "BLOCK_N": block_n, **launch}
+    _launch(_history_fwd_kernel, (triton.cdiv(N, block_n), num_heads),
+            (sources, rms, qg, out, rest, lse, N, S, G, N * d), meta, sources.device)
+
+
+def _persistent_programs(kernel, args, meta: dict, device: torch.device, work: int, columns: int = 1) -> int:
+    """Programs along the persistent axis: as many as fit on the GPU at once (``columns`` programs wide),
+    at most one per piece of work; on the interpreter a few, so that tests walk the persistent loop and
+    its idle tail."""
+    if device.type == "cpu":
+        return min(work, 3)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    fit = _resident_programs(kernel, args, meta, device) * _num_sms(index) // columns
+    return max(1, min(work, fit))
+
+
 def sites_backward(sources: Tensor, grad_sources: Tensor, accumulate: bool, qg: Tensor, num_heads: int,
                    eps: float, grad_out: Tensor, lse: Tensor, delta: Tensor, out: Tensor | None = None,
                    grad_copy: Tensor | None = None) -> Tensor:
-    """Gradients of ``sources`` (S, N, d) summed over G sites, written to ``grad_sources`` (same layout)
-    or added to it (``accumulate``); returns the sites' ``qg`` gradients (G, d) fp32.
+    """Gradients of ``sources`` (S, N, d) summed over G sites, a whole row per program, written to
+    ``grad_sources`` (same layout) or added to it (``accumulate``); returns the per-program partial sums
+    of the sites' ``qg`` gradients (programs, G', d) fp32 (G' >= G: sum over programs, keep G rows).
 
-    ``grad_out`` (G, N, d), ``lse`` and ``delta`` (G, N, H) fp32 describe the sites. With ``out`` (one
+    ``grad_out`` (G, N, d), ``lse`` and ``delta`` (G, H, N) fp32 describe the sites. With ``out`` (one
     site's output, G = 1) ``delta`` is computed from it and written, and ``grad_out`` is copied into
-    ``grad_copy``. S may be 0 (then only that prologue runs).
+    ``grad_copy`` if given. S may be 0 (then only that prologue runs).
     """
     S, N, d = sources.shape
     G = qg.shape[0]
     block_g = _block_g(G)
     if N == 0:
-        return torch.zeros((G, d), dtype=torch.float32, device=sources.device)
+        return torch.zeros((1, block_g, d), dtype=torch.float32, device=sources.device)
     meta = {**_meta(d, num_heads), "BLOCK_G": block_g, "ACCUMULATE": accumulate,
-            "COMPUTE_DELTA": out is not None}
+            "COMPUTE_DELTA": out is not None, "COPY_GRAD": grad_copy is not None}
+    if sources.device.type != "cpu":
+        meta["num_warps"] = _num_warps(d, num_heads, block_g)
     args = [sources, grad_sources, qg, grad_out, lse, delta, out if out is not None else grad_out,
             grad_copy if grad_copy is not None else grad_out,
             torch.empty((1, block_g, d), dtype=torch.float32, device=sources.device), N, S, G, N * d, eps, 1]
-    if sources.device.type == "cpu":
-        programs = min(N, 3)  # few programs, so that tests walk the persistent loop and its idle tail
-    else:
-        meta["num_warps"] = _num_warps(d, num_heads, block_g)
-        index = sources.device.index if sources.device.index is not None else torch.cuda.current_device()
-        programs = min(N, _resident_programs(_sites_bwd_kernel, args, meta, sources.device) * _num_sms(index))
+    programs = _persistent_programs(_sites_bwd_kernel, args, meta, sources.device, N)
     partials = torch.empty((programs, block_g, d), dtype=torch.float32, device=sources.device)
     args[8], args[-1] = partials, triton.cdiv(N, programs)
     _launch(_sites_bwd_kernel, (programs,), tuple(args), meta, sources.device)
-    return partials.sum(0)[:G]
+    return partials
+
+
+def history_backward(sources: Tensor, rms: Tensor, grad_sources: Tensor, dr: Tensor, accumulate: bool,
+                     qg: Tensor, num_heads: int, grad_out: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
+    """``sites_backward`` for G > 1 sites, tiled by head. Leaves out the gradient through the sources' RMS:
+    its per-head factor is added to ``dr`` (S, H, N) fp32, zeroed before the first pass, for
+    ``finalize_rms_grad``. Returns the qg-gradient partial sums (programs, G', d) fp32."""
+    S, N, d = sources.shape
+    G = qg.shape[0]
+    block_g = _block_g(G)
+    if N == 0:
+        return torch.zeros((1, block_g, d), dtype=torch.float32, device=sources.device)
+    block_n, launch = _history_launch("bwd", block_g, sources.device)
+    meta = {**_meta(d, num_heads), "BLOCK_G": block_g, "BLOCK_N": block_n, "ACCUMULATE": accumulate, **launch}
+    tiles = triton.cdiv(N, block_n)
+    args = [sources, rms, grad_sources, dr, qg, grad_out, lse, delta,
+            torch.empty((1, block_g, d), dtype=torch.float32, device=sources.device), N, S, G, N * d, 1]
+    programs = _persistent_programs(_history_bwd_kernel, args, meta, sources.device, tiles, columns=num_heads)
+    partials = torch.empty((programs, block_g, d), dtype=torch.float32, device=sources.device)
+    args[8], args[-1] = partials, triton.cdiv(tiles, programs)
+    _launch(_history_bwd_kernel, (programs, num_heads), tuple(args), meta, sources.device)
+    return partials
