@@ -1,33 +1,27 @@
-"""The head-tiled shared-pass kernels (``kernels/history.py``) against the plain PyTorch reference, through
-Triton's interpreter in fp32: forward outputs and log-sum-exps of G sites over one history, and the
-backward's source and query gradients once the RMS part is finalised, over awkward shapes (head widths
-split 8 + 4, token counts that are not a multiple of the tile, a padded site count, a single source) and
-every tile size and prefetch depth the launch table can choose."""
+"""The fused path's kernels against the plain PyTorch reference, through Triton's interpreter in fp32:
+the head-tiled shared forward pass (``kernels/history.py``: outputs and log-sum-exps of G sites over one
+history) and the backward by source (``kernels/column.py``: each slot's gradient and the query
+gradients, from the sites that read it), over awkward shapes (head widths split 8 + 4, token counts that
+are not a multiple of the tile, a padded site count, a single source) and every tile size and prefetch
+depth the launch table can choose."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mhar_ablate.kernels import history
+from mhar_ablate.kernels import column, history
 from mhar_ablate.kernels.reference import mhar_route_reference, routing_logits
 
 EPS = 1e-6
 
 
-def _reference(src, qg, H, grad_out):
-    """Each site's output, log-sum-exp (G, H, N) and the gradients of sum_k <g_k, out_k> by autograd."""
+def _route(src, qg_k, H):
     S, N, d = src.shape
-    src = src.detach().double().requires_grad_(True)
-    qg = qg.detach().double().requires_grad_(True)
-    ones = torch.ones(d, dtype=torch.float64)
-    outs, lses = [], []
-    for k in range(qg.shape[0]):
-        outs.append(mhar_route_reference(src.view(S, 1, N, d), qg[k], ones, H, EPS).view(N, d))
-        lses.append(routing_logits(src.view(S, 1, N, d), qg[k], ones, H, EPS).logsumexp(0).view(N, H).t())
-    loss = sum((o * g.double()).sum() for o, g in zip(outs, grad_out))
-    dsrc, dqg = torch.autograd.grad(loss, (src, qg))
-    return torch.stack(outs).detach(), torch.stack(lses).detach(), dsrc, dqg
+    ones = torch.ones(d, dtype=src.dtype)
+    out = mhar_route_reference(src.view(S, 1, N, d), qg_k, ones, H, EPS).view(N, d)
+    lse = routing_logits(src.view(S, 1, N, d), qg_k, ones, H, EPS).logsumexp(0).view(N, H).t()
+    return out, lse
 
 
 def _inputs(S, N, d, G, seed):
@@ -50,43 +44,41 @@ def _rms(src):
 @pytest.mark.parametrize("block_n,prefetch", [(1, 1), (2, 2), (4, 3)])
 def test_shared_pass_matches_the_reference(monkeypatch, S, N, d, H, G, block_n, prefetch):
     monkeypatch.setattr(history, "_INTERPRETER_CONFIG", (block_n, 1, prefetch))
-    src, qg, grad_out = _inputs(S, N, d, G, seed=S * 100 + N)
-    out_r, lse_r, dsrc_r, dqg_r = _reference(src, qg, H, grad_out)
-
-    rms = _rms(src)
+    src, qg, _ = _inputs(S, N, d, G, seed=S * 100 + N)
+    refs = [_route(src.double(), qg[k].double(), H) for k in range(G)]
     out0 = torch.full((N, d), float("nan"))
     rest = torch.full((G - 1, N, d), float("nan"))
     lse = torch.full((G, H, N), float("nan"))
-    history.history_forward(src, rms, qg, H, out0, rest, lse)
-    torch.testing.assert_close(out0, out_r[0].float(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(rest, out_r[1:].float(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse, lse_r.float(), rtol=1e-5, atol=1e-5)
-
-    # Backward into buffers that already hold gradients (as later groups leave them): it must add.
-    delta = torch.einsum("knhc,knhc->khn", grad_out.view(G, N, H, -1), out_r.float().view(G, N, H, -1)).contiguous()
-    prior = torch.randn(S, N, d)
-    grad = prior.clone()
-    dr = torch.zeros(S, H, N)
-    parts = history.history_backward(src, rms, grad, dr, True, qg, H, grad_out, lse_r.float().contiguous(), delta)
-    for s in range(S):
-        history.finalize_rms_grad(src[s], grad[s], rms[s], dr[s])
-    torch.testing.assert_close(grad - prior, dsrc_r.float(), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(parts.sum(0)[:G], dqg_r.float(), rtol=1e-4, atol=1e-4)
+    history.history_forward(src, _rms(src), qg, H, out0, rest, lse)
+    torch.testing.assert_close(out0, refs[0][0].float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rest, torch.stack([o for o, _ in refs[1:]]).float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, torch.stack([l for _, l in refs]).float(), rtol=1e-5, atol=1e-5)
 
 
-def test_backward_writes_fresh_gradients_when_told_not_to_add(monkeypatch):
-    monkeypatch.setattr(history, "_INTERPRETER_CONFIG", (2, 1, 2))
-    S, N, d, H, G = 3, 5, 32, 4, 2
-    src, qg, grad_out = _inputs(S, N, d, G, seed=7)
-    out_r, lse_r, dsrc_r, _ = _reference(src, qg, H, grad_out)
-    delta = torch.einsum("knhc,knhc->khn", grad_out.view(G, N, H, -1), out_r.float().view(G, N, H, -1)).contiguous()
+@pytest.mark.parametrize("S,N,d,H", [
+    (4, 7, 48, 4),  # head width 12 = 8 + 4: channel blocks of 4, the kernel's non-tensor-core path
+    (3, 5, 64, 2),  # head width 32: the matrix-product path for the query gradients
+    (1, 3, 32, 8),  # one site, head width 4
+])
+def test_backward_by_source_matches_autograd(S, N, d, H):
+    """Sites k = 0..S-1 read sources 0..k (full grouping): each source's gradient from the sites that read
+    it, and the query gradients summed over sources, against autograd of the reference."""
+    src, qg, grad_out = _inputs(S, N, d, S, seed=11 * S + d)
+    src64 = src.double().requires_grad_(True)
+    qg64 = qg.double().requires_grad_(True)
+    outs, lses = zip(*(_route(src64[:k + 1], qg64[k], H) for k in range(S)))
+    loss = sum((o * g.double()).sum() for o, g in zip(outs, grad_out))
+    dsrc_ref, dqg_ref = torch.autograd.grad(loss, (src64, qg64))
+    out = torch.stack(outs).detach().float()
+    lse = torch.stack(lses).detach().float().contiguous()
+    delta = torch.einsum("knhc,knhc->khn", grad_out.view(S, N, H, -1), out.view(S, N, H, -1)).contiguous()
     rms = _rms(src)
-    grad = torch.full((S, N, d), float("nan"))  # garbage that a write must not read
-    dr = torch.zeros(S, H, N)
-    history.history_backward(src, rms, grad, dr, False, qg, H, grad_out, lse_r.float().contiguous(), delta)
-    for s in range(S):
-        history.finalize_rms_grad(src[s], grad[s], rms[s], dr[s])
-    torch.testing.assert_close(grad, dsrc_r.float(), rtol=1e-4, atol=1e-4)
+    dqg = torch.zeros(S, d)
+    for j in range(S):
+        dx, part = column.column_backward(src[j], rms[j], grad_out[j:], lse[j:], delta[j:], qg[j:], H)
+        torch.testing.assert_close(dx, dsrc_ref[j].float(), rtol=1e-4, atol=1e-4)
+        dqg[j:] += part
+    torch.testing.assert_close(dqg, dqg_ref.float(), rtol=1e-4, atol=1e-4)
 
 
 def test_write_slot_stores_the_row_and_its_rms():

@@ -1,40 +1,34 @@
-"""Triton kernels of the fused training path (``model/residual/fused.py``): routing sites that read a
-buffer of sources in place, alone or several at once over a shared history.
+"""Triton kernels of the fused training path's forward (``model/residual/fused.py``): routing sites that
+read a buffer of sources in place, alone or several at once over a shared history; and the per-site
+backward of the sources a site reads beyond the buffer (a block's partial sum). The gradients of the
+buffer's slots are ``column``'s.
 
-The per-site op (``mhar_triton``) reads all S sources of a token for one site. In a routed decoder the
-queries are parameters, not functions of the token, so the G consecutive sites of a group can share one
-pass over the sources that were complete when the group began ("the history"): the forward computes the
-G partial softmax states at once, and each site then merges its partial state with the few sources
-produced inside the group (an online-softmax merge, exact). The backward pass over the history is also
-shared: once all G sites have their output gradients, one pass reads each history source once and writes
-(or adds) its gradient, the sum of the G sites' contributions. History bytes drop by a factor G.
+In a routed decoder the queries are parameters, not functions of the token, so the G consecutive sites
+of a group can share one pass over the sources that were complete when the group began ("the history"):
+the forward computes the G partial softmax states at once, and each site then merges its partial state
+with the few sources produced inside the group (an online-softmax merge, exact). History bytes drop by
+a factor G.
 
 Two families of kernels:
 
 * one token per program, the whole row of d channels (``_sites_fwd_kernel``, ``_sites_bwd_kernel``): a
-  single site over its sources (the per-site mode, G = 1) and the merge of a site with the sources it
-  reads beyond its group's history. The RMS of a source is computed from the row, and the gradient
-  through it is applied in the same pass.
-* one token tile and one routing head per program (``_history_fwd_kernel``, ``_history_bwd_kernel``),
-  the shared pass of G > 1 sites. Holding G sites' accumulators for a whole row would fill the register
-  file (measured on the H200: a shared pass of 8 sites over full rows took 53 ms a step against 25 ms for
-  one pass per site); a head's [G, d/H] tile is the size of one site's row. The RMS statistic couples all
-  heads, so these kernels read it from ``rms`` (written once per source by ``write_slot``) and leave the
-  gradient through it as a per-head sum ``dr`` that ``finalize_rms_grad`` applies once the source's
-  gradient is otherwise complete.
+  site (or a few) over its sources, the per-site mode, and the merge of a site with the sources it reads
+  beyond its group's history. The RMS of a source is computed from the row. The backward kernel also
+  keeps a site's output gradient and its ``delta = <g, out>`` for the slots' backward.
+* one token tile and one routing head per program (``_history_fwd_kernel``), the shared pass of G > 2
+  sites. Holding G sites' accumulators for a whole row would fill the register file (measured on the
+  H200: a shared pass of 8 sites over full rows took 53 ms a step against 25 ms for one pass per site);
+  a head's [G, d/H] tile is the size of one site's row. The RMS statistic spans all heads, so this kernel
+  reads it from ``rms`` (written once per source by ``write_slot``).
 
 Math (per site k, r = rsqrt(mean_c s_c^2 + eps), u_k = <s_h, qg_k,h>, z = r u):
 
     forward:   a_k = softmax over sources of z_k,     out_k = sum_s a_k s
     backward:  dz_k = a_k (<g_k, s> - delta_k),       delta_k = <g_k, out_k>   (flash-attention's identity)
-               ds  = sum_k [a_k g_k + dz_k r qg_k]  +  dr * dr/ds,   dr = sum_k sum_h dz_k,h u_k,h,
-               dr/ds = -r^3 s / d,                    dqg_k += dz_k r s
+               ds  = sum_k [a_k g_k + dz_k r qg_k] - (r^3 s / d) sum_k sum_h dz_k,h u_k,h,
+               dqg_k += dz_k r s
 
-The gradient of a site's output with respect to a history source depends only on the site's final
-log-sum-exp and ``delta``, not on how the sum was split into history and merge, so the history pass
-needs no partial state from the forward. Log-sum-exps and deltas are laid out (sites, H, N), ``dr``
-(slots, H, N): contiguous along tokens for the head-tiled kernels.
-
+Log-sum-exps and deltas are laid out (sites, H, N): contiguous along tokens for the head-tiled kernels.
 Heads whose width is not a power of two are split into a power-of-two part (DA) and a rest (DB, padded
 to BLOCK_DB), as in ``mhar_triton``; on CPU tensors the kernels run through Triton's interpreter.
 """
@@ -48,8 +42,7 @@ from torch import Tensor
 
 from .mhar_triton import _head_meta, _launch, _num_sms, _resident_programs
 
-__all__ = ["write_slot", "sites_forward", "sites_backward", "history_forward", "history_backward",
-           "finalize_rms_grad"]
+__all__ = ["write_slot", "sites_forward", "sites_backward", "history_forward"]
 
 
 @triton.jit
@@ -62,20 +55,6 @@ def _write_slot_kernel(src_ptr, dst_ptr, rms_ptr, eps, D: tl.constexpr, BLOCK_D:
     tl.store(dst_ptr + tok * D + c, y, mask=ok)
     yf = y.to(tl.float32)
     tl.store(rms_ptr + tok, 1.0 / tl.sqrt(tl.sum(yf * yf, axis=0) / D + eps))
-
-
-@triton.jit
-def _finalize_kernel(src_ptr, dsrc_ptr, rms_ptr, dr_ptr, N, D: tl.constexpr, H: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
-    tok = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, BLOCK_D)
-    ok = c < D
-    x = tl.load(src_ptr + tok * D + c, mask=ok, other=0.0).to(tl.float32)
-    g = tl.load(dsrc_ptr + tok * D + c, mask=ok, other=0.0).to(tl.float32)
-    r = tl.load(rms_ptr + tok)
-    dr = tl.sum(tl.load(dr_ptr + tl.arange(0, H) * N + tok), axis=0)
-    g += (-(r * r * r) / D * dr) * x
-    tl.store(dsrc_ptr + tok * D + c, g.to(dsrc_ptr.dtype.element_ty), mask=ok)
 
 
 # Counts are not specialised on (S == 1, N % 16, ...): every site's S differs, and each specialisation would
@@ -172,7 +151,7 @@ def _sites_bwd_kernel(
     N, S, G, stride_s, eps, tokens_per_program,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_G: tl.constexpr, ACCUMULATE: tl.constexpr,
-    COMPUTE_DELTA: tl.constexpr, COPY_GRAD: tl.constexpr,
+    COMPUTE_DELTA: tl.constexpr, COPY_GRAD: tl.constexpr, WRITE_DQG: tl.constexpr,
 ):
     # Persistent: program p walks tokens p, p + P, ... so that the qg-gradient partial sums are one
     # [BLOCK_G, D] row per program, not per token.
@@ -265,10 +244,11 @@ def _sites_bwd_kernel(
             if HAS_B:
                 dqg_b += rdz * xb
 
-    part = dqg_part_ptr + pid.to(tl.int64) * BLOCK_G * D
-    tl.store(part + k * D + col_a, dqg_a)
-    if HAS_B:
-        tl.store(part + k * D + col_b, dqg_b, mask=b_ok & (k >= 0))
+    if WRITE_DQG:
+        part = dqg_part_ptr + pid.to(tl.int64) * BLOCK_G * D
+        tl.store(part + k * D + col_a, dqg_a)
+        if HAS_B:
+            tl.store(part + k * D + col_b, dqg_b, mask=b_ok & (k >= 0))
 
 
 # The head-tiled kernels. A program's tile is [BLOCK_N tokens, BLOCK_G sites, channels of one head]; a
@@ -390,129 +370,6 @@ def _history_fwd_kernel(
     tl.store(lse_ptr + kn, m + tl.log(l), mask=(n < N)[:, None] & (tl.arange(0, BLOCK_G) < G)[None, :])
 
 
-@triton.jit(do_not_specialize=["N", "S", "G", "tiles_per_program"])
-def _history_bwd_kernel(
-    src_ptr, rms_ptr, dsrc_ptr, dr_ptr, qg_ptr, g_ptr, lse_ptr, delta_ptr, dqg_part_ptr,
-    N, S, G, stride_s, tiles_per_program,
-    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
-    BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    ACCUMULATE: tl.constexpr, PREFETCH: tl.constexpr,
-):
-    tl.static_assert((PREFETCH >= 1) & (PREFETCH <= 3))
-    # Persistent along tokens, one head per program column: program (p, h) walks token tiles p, p + P, ...
-    # and writes its head's columns of one [BLOCK_G, D] row of qg-gradient partial sums.
-    pid = tl.program_id(0)
-    head = tl.program_id(1)
-    num_programs = tl.num_programs(0)
-    k = tl.arange(0, BLOCK_G)[None, :, None]
-    ja = tl.arange(0, DA)[None, None, :]
-    jb = tl.arange(0, BLOCK_DB)[None, None, :]
-    col_a = head * DH + ja
-    col_b = head * DH + DA + jb
-    b_ok = jb < DB
-    k_ok = k < G
-    qg_a = tl.load(qg_ptr + k * D + col_a, mask=k_ok, other=0.0)
-    dqg_a = tl.zeros([1, BLOCK_G, DA], tl.float32)
-    if HAS_B:
-        qg_b = tl.load(qg_ptr + k * D + col_b, mask=k_ok & b_ok, other=0.0)
-        dqg_b = tl.zeros([1, BLOCK_G, BLOCK_DB], tl.float32)
-    kk = tl.arange(0, BLOCK_G)[None, :]
-
-    for i in range(tiles_per_program):
-        n = (pid + i * num_programs).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < N
-        nn = n[:, None, None]
-        row_ok = n_ok[:, None, None]
-        offs_a = nn * D + col_a
-        offs_b = nn * D + col_b
-        site_offs = k.to(tl.int64) * N * D
-        ga = tl.load(g_ptr + site_offs + offs_a, mask=row_ok & k_ok, other=0.0).to(tl.float32)
-        if HAS_B:
-            gb = tl.load(g_ptr + site_offs + offs_b, mask=row_ok & k_ok & b_ok, other=0.0).to(tl.float32)
-        kn = kk * H * N + head * N + n[:, None]
-        kn_ok = n_ok[:, None] & (kk < G)
-        # padded sites and tokens get lse = +inf, hence weight 0 and no gradient
-        lse = tl.load(lse_ptr + kn, mask=kn_ok, other=float("inf"))
-        delta = tl.load(delta_ptr + kn, mask=kn_ok, other=0.0)
-
-        src = src_ptr
-        dsrc = dsrc_ptr
-        rms = rms_ptr
-        drp = dr_ptr + head * N + n
-        n1 = _load_tile(src, offs_a, n, N, 0, S)
-        r1 = tl.load(rms + n, mask=n < tl.where(S > 0, N, 0), other=1.0)
-        if HAS_B:
-            b1 = _load_tile(src, offs_b, n, N, 0, S, b_ok)
-        if PREFETCH >= 2:
-            n2 = _load_tile(src + stride_s, offs_a, n, N, 1, S)
-            r2 = tl.load(rms + N + n, mask=n < tl.where(S > 1, N, 0), other=1.0)
-            if HAS_B:
-                b2 = _load_tile(src + stride_s, offs_b, n, N, 1, S, b_ok)
-        if PREFETCH >= 3:
-            n3 = _load_tile(src + 2 * stride_s, offs_a, n, N, 2, S)
-            r3 = tl.load(rms + 2 * N + n, mask=n < tl.where(S > 2, N, 0), other=1.0)
-            if HAS_B:
-                b3 = _load_tile(src + 2 * stride_s, offs_b, n, N, 2, S, b_ok)
-        for s in range(S):
-            xa = n1.to(tl.float32)
-            r = r1
-            if HAS_B:
-                xb = b1.to(tl.float32)
-            ahead = src + PREFETCH * stride_s
-            r_ahead = tl.load(rms + PREFETCH * N + n, mask=n < tl.where(s + PREFETCH < S, N, 0), other=1.0)
-            if PREFETCH == 1:
-                n1 = _load_tile(ahead, offs_a, n, N, s + 1, S)
-                r1 = r_ahead
-                if HAS_B:
-                    b1 = _load_tile(ahead, offs_b, n, N, s + 1, S, b_ok)
-            if PREFETCH == 2:
-                n1, r1 = n2, r2
-                n2 = _load_tile(ahead, offs_a, n, N, s + 2, S)
-                r2 = r_ahead
-                if HAS_B:
-                    b1 = b2
-                    b2 = _load_tile(ahead, offs_b, n, N, s + 2, S, b_ok)
-            if PREFETCH == 3:
-                n1, r1, n2, r2 = n2, r2, n3, r3
-                n3 = _load_tile(ahead, offs_a, n, N, s + 3, S)
-                r3 = r_ahead
-                if HAS_B:
-                    b1, b2 = b2, b3
-                    b3 = _load_tile(ahead, offs_b, n, N, s + 3, S, b_ok)
-            u = tl.sum(xa * qg_a, axis=2)  # [BLOCK_N, BLOCK_G]
-            da = tl.sum(ga * xa, axis=2)
-            if HAS_B:
-                u += tl.sum(xb * qg_b, axis=2)
-                da += tl.sum(gb * xb, axis=2)
-            a = tl.exp(u * r[:, None] - lse)
-            dz = a * (da - delta)
-            rdz = (dz * r[:, None])[:, :, None]
-            dr = tl.sum(dz * u, axis=1)  # [BLOCK_N]: this head's part of the gradient through the RMS
-            dr += tl.load(drp, mask=n_ok, other=0.0)  # ``dr`` starts at zero: always added to
-            a = a[:, :, None]
-            ds_a = tl.sum(a * ga + rdz * qg_a, axis=1, keep_dims=True)  # [BLOCK_N, 1, DA]
-            if ACCUMULATE:
-                ds_a += tl.load(dsrc + offs_a, mask=row_ok, other=0.0).to(tl.float32)
-            tl.store(dsrc + offs_a, ds_a.to(dsrc_ptr.dtype.element_ty), mask=row_ok)
-            tl.store(drp, dr, mask=n_ok)
-            dqg_a += tl.sum(rdz * xa, axis=0, keep_dims=True)
-            if HAS_B:
-                ds_b = tl.sum(a * gb + rdz * qg_b, axis=1, keep_dims=True)
-                if ACCUMULATE:
-                    ds_b += tl.load(dsrc + offs_b, mask=row_ok & b_ok, other=0.0).to(tl.float32)
-                tl.store(dsrc + offs_b, ds_b.to(dsrc_ptr.dtype.element_ty), mask=row_ok & b_ok)
-                dqg_b += tl.sum(rdz * xb, axis=0, keep_dims=True)
-            src += stride_s
-            dsrc += stride_s
-            rms += N
-            drp += H * N
-
-    part = dqg_part_ptr + pid.to(tl.int64) * BLOCK_G * D
-    tl.store(part + k * D + col_a, dqg_a)
-    if HAS_B:
-        tl.store(part + k * D + col_b, dqg_b, mask=b_ok & (k >= 0))
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Host functions
 # ----------------------------------------------------------------------------------------------------------
@@ -540,9 +397,10 @@ def _num_warps(d: int, num_heads: int, block_g: int) -> int:
 # warps, sources in flight ahead of the one being reduced (1 to 3). A
 # benchmark may replace entries to sweep them. On the interpreter: two-token tiles, so that tests cover
 # the token mask, and two sources ahead.
+# Measured on the H200 at paper350m (benchmarks/bench_stack.py): one warp per program and two sources in
+# flight ran fastest at G = 4 and 8 (more warps or a third source ahead were slower).
 HISTORY_CONFIG: dict[str, dict[int, tuple[int, int, int]]] = {
-    "fwd": {2: (2, 2, 2), 4: (1, 1, 3), 8: (1, 2, 3), 16: (1, 4, 3)},
-    "bwd": {2: (1, 2, 2), 4: (1, 2, 2), 8: (1, 4, 2), 16: (1, 8, 2)},
+    "fwd": {2: (1, 1, 2), 4: (1, 1, 2), 8: (1, 1, 2), 16: (1, 2, 2)},
 }
 _INTERPRETER_CONFIG = (2, 1, 2)
 
@@ -551,7 +409,7 @@ def _history_launch(kind: str, block_g: int, device: torch.device) -> tuple[int,
     if device.type == "cpu":
         block_n, _, prefetch = _INTERPRETER_CONFIG
         return block_n, {"PREFETCH": prefetch}
-    block_n, warps, prefetch = HISTORY_CONFIG[kind].get(block_g, (1, 8, 2))
+    block_n, warps, prefetch = HISTORY_CONFIG[kind].get(block_g, (1, 2, 2))
     return block_n, {"num_warps": warps, "PREFETCH": prefetch}
 
 
@@ -562,15 +420,6 @@ def write_slot(source: Tensor, slot: Tensor, rms: Tensor, eps: float) -> None:
     if N:
         _launch(_write_slot_kernel, (N,), (source, slot, rms, eps),
                 {"D": d, "BLOCK_D": triton.next_power_of_2(d)}, slot.device)
-
-
-def finalize_rms_grad(source: Tensor, grad: Tensor, rms: Tensor, dr: Tensor) -> None:
-    """Add, in place, the gradient through the RMS statistic to ``grad`` (N, d): ``-(r^3 / d) x`` times
-    ``dr`` (H, N) summed over heads, the part the head-tiled backward leaves out."""
-    N, d = grad.shape
-    if N:
-        _launch(_finalize_kernel, (N,), (source, grad, rms, dr, N),
-                {"D": d, "H": dr.shape[0], "BLOCK_D": triton.next_power_of_2(d)}, grad.device)
 
 
 def sites_forward(sources: Tensor, qg: Tensor, num_heads: int, eps: float, out: Tensor, rest: Tensor | None,
@@ -605,64 +454,41 @@ def history_forward(sources: Tensor, rms: Tensor, qg: Tensor, num_heads: int, ou
             (sources, rms, qg, out, rest, lse, N, S, G, N * d), meta, sources.device)
 
 
-def _persistent_programs(kernel, args, meta: dict, device: torch.device, work: int, columns: int = 1) -> int:
-    """Programs along the persistent axis: as many as fit on the GPU at once (``columns`` programs wide),
-    at most one per piece of work; on the interpreter a few, so that tests walk the persistent loop and
-    its idle tail."""
+def _persistent_programs(kernel, args, meta: dict, device: torch.device, work: int) -> int:
+    """Programs of a persistent kernel: as many as fit on the GPU at once, at most one per piece of work;
+    on the interpreter a few, so that tests walk the persistent loop and its idle tail."""
     if device.type == "cpu":
         return min(work, 3)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    fit = _resident_programs(kernel, args, meta, device) * _num_sms(index) // columns
-    return max(1, min(work, fit))
+    return max(1, min(work, _resident_programs(kernel, args, meta, device) * _num_sms(index)))
 
 
 def sites_backward(sources: Tensor, grad_sources: Tensor, accumulate: bool, qg: Tensor, num_heads: int,
                    eps: float, grad_out: Tensor, lse: Tensor, delta: Tensor, out: Tensor | None = None,
-                   grad_copy: Tensor | None = None) -> Tensor:
+                   grad_copy: Tensor | None = None) -> Tensor | None:
     """Gradients of ``sources`` (S, N, d) summed over G sites, a whole row per program, written to
     ``grad_sources`` (same layout) or added to it (``accumulate``); returns the per-program partial sums
-    of the sites' ``qg`` gradients (programs, G', d) fp32 (G' >= G: sum over programs, keep G rows).
+    of the sites' ``qg`` gradients (programs, G', d) fp32 (G' >= G: sum over programs, keep G rows), or
+    None when S = 0.
 
     ``grad_out`` (G, N, d), ``lse`` and ``delta`` (G, H, N) fp32 describe the sites. With ``out`` (one
     site's output, G = 1) ``delta`` is computed from it and written, and ``grad_out`` is copied into
-    ``grad_copy`` if given. S may be 0 (then only that prologue runs).
+    ``grad_copy`` if given. S may be 0: then only that prologue runs.
     """
     S, N, d = sources.shape
     G = qg.shape[0]
     block_g = _block_g(G)
     if N == 0:
-        return torch.zeros((1, block_g, d), dtype=torch.float32, device=sources.device)
+        return None if S == 0 else torch.zeros((1, block_g, d), dtype=torch.float32, device=sources.device)
     meta = {**_meta(d, num_heads), "BLOCK_G": block_g, "ACCUMULATE": accumulate,
-            "COMPUTE_DELTA": out is not None, "COPY_GRAD": grad_copy is not None}
+            "COMPUTE_DELTA": out is not None, "COPY_GRAD": grad_copy is not None, "WRITE_DQG": S > 0}
     if sources.device.type != "cpu":
         meta["num_warps"] = _num_warps(d, num_heads, block_g)
     args = [sources, grad_sources, qg, grad_out, lse, delta, out if out is not None else grad_out,
             grad_copy if grad_copy is not None else grad_out,
             torch.empty((1, block_g, d), dtype=torch.float32, device=sources.device), N, S, G, N * d, eps, 1]
     programs = _persistent_programs(_sites_bwd_kernel, args, meta, sources.device, N)
-    partials = torch.empty((programs, block_g, d), dtype=torch.float32, device=sources.device)
+    partials = torch.empty((programs if S else 1, block_g, d), dtype=torch.float32, device=sources.device)
     args[8], args[-1] = partials, triton.cdiv(N, programs)
     _launch(_sites_bwd_kernel, (programs,), tuple(args), meta, sources.device)
-    return partials
-
-
-def history_backward(sources: Tensor, rms: Tensor, grad_sources: Tensor, dr: Tensor, accumulate: bool,
-                     qg: Tensor, num_heads: int, grad_out: Tensor, lse: Tensor, delta: Tensor) -> Tensor:
-    """``sites_backward`` for G > 1 sites, tiled by head. Leaves out the gradient through the sources' RMS:
-    its per-head factor is added to ``dr`` (S, H, N) fp32, zeroed before the first pass, for
-    ``finalize_rms_grad``. Returns the qg-gradient partial sums (programs, G', d) fp32."""
-    S, N, d = sources.shape
-    G = qg.shape[0]
-    block_g = _block_g(G)
-    if N == 0:
-        return torch.zeros((1, block_g, d), dtype=torch.float32, device=sources.device)
-    block_n, launch = _history_launch("bwd", block_g, sources.device)
-    meta = {**_meta(d, num_heads), "BLOCK_G": block_g, "BLOCK_N": block_n, "ACCUMULATE": accumulate, **launch}
-    tiles = triton.cdiv(N, block_n)
-    args = [sources, rms, grad_sources, dr, qg, grad_out, lse, delta,
-            torch.empty((1, block_g, d), dtype=torch.float32, device=sources.device), N, S, G, N * d, 1]
-    programs = _persistent_programs(_history_bwd_kernel, args, meta, sources.device, tiles, columns=num_heads)
-    partials = torch.empty((programs, block_g, d), dtype=torch.float32, device=sources.device)
-    args[8], args[-1] = partials, triton.cdiv(tiles, programs)
-    _launch(_history_bwd_kernel, (programs, num_heads), tuple(args), meta, sources.device)
-    return partials
+    return partials if S else None

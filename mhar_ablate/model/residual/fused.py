@@ -16,12 +16,11 @@ for backward). Here, per forward pass:
   pass (``kernels.history``), and each site then merges its partial state with its own extra sources: the
   slots written inside the group (``full``) or the block's partial sum (``block``). A group of one site
   is the per-site mode: one pass over everything the site reads.
-- backward recomputes everything from the buffer; source gradients are written or added, in a fixed order,
-  into a gradient buffer of the same shape: each site adds the gradients of its extra sources when its own
-  backward runs, and the group's first site, whose backward runs after all the others of its group, adds
-  the history's in one pass for all of them. A slot's writer hands the slot's gradient to autograd, after
-  adding the part through the slot's RMS statistic that shared passes leave for later (their programs see
-  one routing head; the statistic spans all of them).
+- backward recomputes everything from the buffer, by source rather than by site: each site's backward
+  keeps its output gradient (in a buffer of the same shape) and its ``delta``; a slot's writer, whose
+  backward autograd runs once every site that reads the slot has run its own, computes the slot's whole
+  gradient in one pass over those sites (``kernels.column``). A block's partial sum, which is no slot,
+  gets its gradient from the site that reads it, at once.
 - the routing parameters' gradients are summed into one (sites, d) buffer and handed to autograd once, by
   the writer of slot 0, whose backward runs last.
 
@@ -45,6 +44,9 @@ from torch import Tensor
 ROUTING_RANGE = "mhar::routing"  # profiler range around routing work, forward and backward
 # Sites per shared pass over the history (see docs/benchmarks.md for the measurements behind it).
 DEFAULT_SITES_PER_PASS = 1
+# Up to this many sites, a shared pass holds every site's state for whole rows (``sites_forward``); beyond
+# it, the head-tiled pass (``history_forward``), whose programs hold one head of every site.
+ROW_PASS_MAX_SITES = 2
 
 
 def routing_range():
@@ -85,8 +87,7 @@ def plan_sites(n_sites: int, block_sublayers: int, sites_per_pass: int) -> list[
 
 
 class _Group:
-    """What a group's sites share between forward and backward: fused query rows, log-sum-exps, and in
-    backward the output gradients and deltas that the shared history pass needs."""
+    """What a group's sites share in the forward: fused query rows, log-sum-exps, partial states."""
 
     def __init__(self, plan: SitePlan, qg: Tensor, lse: Tensor):
         self.plan = plan
@@ -94,9 +95,6 @@ class _Group:
         self.lse = lse  # (G, H, N) fp32: each site's log-sum-exp over everything it reads
         self.first: Tensor | None = None  # the history pass's normalised output of site 0 ...
         self.rest: Tensor | None = None  # ... and of sites 1.. (G - 1, N, d), dropped once merged
-        self.grad_out: Tensor | None = None  # (G, N, d) in backward (G > 1)
-        self.delta: Tensor | None = None  # (G, H, N) fp32 in backward
-        self.ran = [False] * plan.size  # which sites have run their backward
 
 
 class FusedState:
@@ -113,13 +111,13 @@ class FusedState:
         n_slots = residual.n_sites if residual.block_sublayers == 1 else 1 + (residual.n_sites - 1) // residual.block_sublayers
         self.buffer = torch.empty((n_slots, self.N, d), dtype=self.dtype, device=dev)
         self.rms = torch.empty((n_slots, self.N), dtype=torch.float32, device=dev)
-        # Backward state, allocated by the first backward that needs it: source gradients (slots
-        # [grad_low, n_slots) hold gradients; below: not yet), the per-head gradient through each slot's
-        # RMS left by shared passes (``pending`` slots have some), and the routing parameters' gradient.
-        self.grad: Tensor | None = None
-        self.grad_low = n_slots
-        self.dr: Tensor | None = None
-        self.pending = [False] * n_slots
+        # Backward state, allocated by the first site's backward: every site's output gradient and delta
+        # (sites [clean_from, n_sites) that did not run their backward have zeros there), and the routing
+        # parameters' gradient.
+        self.grad_out: Tensor | None = None
+        self.delta: Tensor | None = None
+        self.ran = [False] * residual.n_sites
+        self.clean_from = residual.n_sites
         self.dqg: Tensor | None = None
         self.plans = plan_sites(residual.n_sites, residual.block_sublayers, residual.sites_per_pass)
         # Every site's query * key gain, and its log-sum-exp per head and token: one tensor each for the
@@ -171,7 +169,7 @@ class FusedState:
         s = self.buffer[:n].view(n, *self.shape)
         return s if partial is None else torch.cat([s, partial.to(s.dtype).unsqueeze(0)])
 
-    def route_forward(self, site: int, partial: Tensor | None) -> tuple[Tensor, _Group]:
+    def route_forward(self, site: int, partial: Tensor | None) -> Tensor:
         from ...kernels.history import history_forward, sites_forward
 
         plan = self.plans[site]
@@ -181,10 +179,11 @@ class FusedState:
             group = _Group(plan, self.qg[rows], self.lse[rows])
             group.first = torch.empty((N, d), dtype=self.dtype, device=self.buffer.device)
             history = self.buffer[:plan.history]
-            if plan.size == 1:
-                sites_forward(history, group.qg, H, eps, group.first, None, group.lse)
-            else:
+            if plan.size > 1:
                 group.rest = torch.empty((plan.size - 1, N, d), dtype=self.dtype, device=self.buffer.device)
+            if plan.size <= ROW_PASS_MAX_SITES:
+                sites_forward(history, group.qg, H, eps, group.first, group.rest, group.lse)
+            else:
                 history_forward(history, self.rms[:plan.history], group.qg, H, group.first, group.rest, group.lse)
             self.group = group
         group = self.group
@@ -198,7 +197,7 @@ class FusedState:
                           group.lse[plan.k:plan.k + 1], init=state.unsqueeze(0))
         if plan.k == plan.size - 1:  # every site of the group has merged: drop the partial states
             group.first = group.rest = None
-        return out.view(self.shape), group
+        return out.view(self.shape)
 
     def _extras(self, plan: SitePlan, partial: Tensor | None) -> Tensor:
         """The site's sources beyond the history, (S, N, d): slots written inside its group, or the block's
@@ -211,91 +210,49 @@ class FusedState:
 
     # -------------------------------------------------------------------------------- backward
 
-    def grad_slots(self, lo: int, hi: int) -> tuple[Tensor, bool]:
-        """Gradient buffer rows [lo, hi) and whether they already hold gradients to add to (else the kernel
-        writes them). The rows that hold gradients are always a suffix [grad_low, slots): every site's
-        sources are a prefix of the buffer plus rows written after its group began."""
-        if self.grad is None:
-            self.grad = torch.empty_like(self.buffer)
-        if hi <= lo or lo >= self.grad_low:
-            return self.grad[lo:hi], True
-        if hi > self.grad_low:  # partly fresh: clear the fresh part, then add to all of it
-            self.grad[lo:self.grad_low].zero_()
-            self.grad_low = lo
-            return self.grad[lo:hi], True
-        self.grad_low = lo
-        return self.grad[lo:hi], False
+    def _backward_buffers(self) -> None:
+        if self.grad_out is None:
+            n, dev = self.res.n_sites, self.buffer.device
+            self.grad_out = torch.empty((n, self.N, self.d), dtype=self.dtype, device=dev)
+            self.delta = torch.empty((n, self.res.num_heads, self.N), dtype=torch.float32, device=dev)
+            self.dqg = torch.zeros((n, self.d), dtype=torch.float32, device=dev)
+
+    def route_backward(self, site: int, grad_out: Tensor, out: Tensor, partial: Tensor | None) -> Tensor | None:
+        """Keep the site's output gradient and delta for the slots' backward; return the gradient of the
+        block partial sum the site read, if any."""
+        from ...kernels.history import sites_backward
+
+        self._backward_buffers()
+        N, d, H, eps = self.N, self.d, self.res.num_heads, self.res.eps
+        g = grad_out.to(self.dtype).reshape(1, N, d).contiguous()
+        rows = slice(site, site + 1)
+        extras = self._extras(self.plans[site], partial) if partial is not None else self.buffer[:0]
+        grad_extras = torch.empty_like(extras)
+        parts = sites_backward(extras, grad_extras, False, self.qg[rows], H, eps, g, self.lse[rows],
+                               self.delta[rows], out=out.reshape(N, d), grad_copy=self.grad_out[rows])
+        self.ran[site] = True
+        if parts is None:
+            return None
+        self.dqg[rows] += parts.sum(0)[:1]
+        return grad_extras.view(self.shape).to(partial.dtype)
 
     def slot_grad(self, slot: int) -> Tensor:
-        """The slot's finished gradient (N, d)."""
-        if self.grad is None or slot < self.grad_low:  # no site read the slot in a way that reached the loss
+        """The slot's gradient (N, d), from every site that reads it: sites [first, n_sites)."""
+        from ...kernels.column import column_backward
+
+        if self.grad_out is None:  # no site's output reached the loss
             return torch.zeros((self.N, self.d), dtype=self.dtype, device=self.buffer.device)
-        if self.pending[slot]:
-            from ...kernels.history import finalize_rms_grad
-
-            finalize_rms_grad(self.buffer[slot], self.grad[slot], self.rms[slot], self.dr[slot])
-            self.pending[slot] = False
-        return self.grad[slot]
-
-    def _add_dqg(self, first_site: int, partials: Tensor, sites: int) -> None:
-        if self.dqg is None:
-            self.dqg = torch.zeros((self.res.n_sites, self.d), dtype=torch.float32, device=self.buffer.device)
-        self.dqg[first_site:first_site + sites] += partials.sum(0)[:sites]
-
-    def route_backward(self, site: int, group: _Group, grad_out: Tensor, out: Tensor,
-                       partial: Tensor | None) -> Tensor | None:
-        """Gradients of the site's extra sources (added to the buffer, or returned for a block partial sum);
-        for the group's first site also the history's, for all of the group's sites at once. Returns the
-        partial sum's gradient, if the site read one."""
-        from ...kernels.history import history_backward, sites_backward
-
-        plan = self.plans[site]
-        N, d, H, eps = self.N, self.d, self.res.num_heads, self.res.eps
-        k, size = plan.k, plan.size
-        dev = out.device
-        g = grad_out.to(self.dtype).reshape(1, N, d).contiguous()
-        out = out.reshape(N, d)
-        extras = self._extras(plan, partial)
-        group.ran[k] = True
-        if size == 1 and extras.shape[0] == 0:  # one pass over everything the site reads, delta included
-            grad_hist, accumulate = self.grad_slots(0, plan.history)
-            delta = torch.empty((1, H, N), dtype=torch.float32, device=dev)
-            self._add_dqg(site, sites_backward(self.buffer[:plan.history], grad_hist, accumulate, group.qg, H, eps,
-                                               g, group.lse, delta, out=out), 1)
-            return None
-        if group.delta is None:  # the group's last site runs its backward first
-            group.delta = torch.empty((size, H, N), dtype=torch.float32, device=dev)
-            if size > 1:
-                group.grad_out = torch.empty((size, N, d), dtype=self.dtype, device=dev)
-        if self.res.block_sublayers == 1:
-            grad_extras, accumulate = self.grad_slots(plan.history, plan.history + k)
-        else:
-            grad_extras, accumulate = torch.empty_like(extras), False
-        # The extras (or, with none, only delta), and the copy of the output gradient for the shared pass.
-        self._add_dqg(site, sites_backward(
-            extras, grad_extras, accumulate, group.qg[k:k + 1], H, eps, g, group.lse[k:k + 1],
-            group.delta[k:k + 1], out=out, grad_copy=group.grad_out[k:k + 1] if size > 1 else None), 1)
-        grad_partial = None if partial is None else grad_extras.view(self.shape).to(partial.dtype)
-        if k > 0:
-            return grad_partial
-        grad_hist, accumulate = self.grad_slots(0, plan.history)
-        if size == 1:
-            self._add_dqg(site, sites_backward(self.buffer[:plan.history], grad_hist, accumulate, group.qg, H, eps,
-                                               g, group.lse, group.delta), 1)
-        else:
-            for j in range(size):
-                if not group.ran[j]:  # a site whose output did not reach the loss: it contributes nothing
-                    group.grad_out[j].zero_()
-                    group.delta[j].zero_()
-            if self.dr is None:
-                self.dr = torch.zeros((self.buffer.shape[0], H, N), dtype=torch.float32, device=dev)
-            self._add_dqg(site, history_backward(self.buffer[:plan.history], self.rms[:plan.history], grad_hist,
-                                                 self.dr[:plan.history], accumulate, group.qg, H, group.grad_out,
-                                                 group.lse, group.delta), size)
-            for j in range(plan.history):
-                self.pending[j] = True
-        group.grad_out = group.delta = None
-        return grad_partial
+        first = slot * self.res.block_sublayers
+        for s in range(first, self.clean_from):
+            if not self.ran[s]:  # its output did not reach the loss: it contributes nothing
+                self.grad_out[s].zero_()
+                self.delta[s].zero_()
+        self.clean_from = min(self.clean_from, first)
+        sites = slice(first, self.res.n_sites)
+        grad, dqg = column_backward(self.buffer[slot], self.rms[slot], self.grad_out[sites], self.lse[sites],
+                                    self.delta[sites], self.qg[sites], self.res.num_heads)
+        self.dqg[sites] += dqg
+        return grad
 
     def parameter_grads(self, query: Tensor, key_weight: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """Gradients of the routing queries and key gains, from the summed gradient of their product."""
@@ -346,8 +303,8 @@ class _RouteSite(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, token: Tensor, partial: Tensor | None, state: FusedState, site: int) -> Tensor:
-        out, group = state.route_forward(site, partial)
-        ctx.state, ctx.site, ctx.group = state, site, group
+        out = state.route_forward(site, partial)
+        ctx.state, ctx.site = state, site
         ctx.save_for_backward(out, partial)
         return out
 
@@ -355,5 +312,5 @@ class _RouteSite(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         out, partial = ctx.saved_tensors
         with routing_range():
-            grad_partial = ctx.state.route_backward(ctx.site, ctx.group, grad_out, out, partial)
+            grad_partial = ctx.state.route_backward(ctx.site, grad_out, out, partial)
         return grad_out.new_empty(0), grad_partial, None, None
