@@ -3,15 +3,15 @@ sites, with the sublayers replaced by a per-channel scale, replayed from a CUDA 
 
 This isolates what issue 6 is about, the routing's cost per training step, from the sublayers (the
 matrix products that the baseline pays too), and sweeps what decides it: sites per shared pass
-(``sites_per_pass``) and the head-tiled kernels' launch configuration (``HISTORY_CONFIG``). Each
+(``sites_per_pass``) and the kernels' launch configurations (``HISTORY_CONFIG``, ``COLUMN_CONFIG``). Each
 configuration is checked first against the reference path on a smaller token count (loss and the
 gradients of the embedding, the scales, the queries and the key gains), then timed.
 
     PYTHONPATH=$PWD python3 benchmarks/bench_stack.py --out $OUT              # paper350m: d 1024, 24 layers
     PYTHONPATH=$PWD python3 benchmarks/bench_stack.py --d 1280 --layers 36   # paper1b
 
-Rows: grouping, sites per pass, the head-tiled forward's launch config (tokens per program, warps,
-sources in flight), forward ms, forward+backward ms, and the same for the baseline residual (a running
+Rows: grouping, sites per pass, the launch configs of the head-tiled forward (tokens per program, warps,
+sources in flight) and of the column backward (tokens per program, warps), forward ms, forward+backward ms, and the same for the baseline residual (a running
 sum), so that routing's own share reads off as the difference.
 """
 
@@ -26,7 +26,7 @@ import time
 import torch
 
 from mhar_ablate.config import build_config
-from mhar_ablate.kernels import history
+from mhar_ablate.kernels import column, history
 from mhar_ablate.model.residual import build_residual
 
 
@@ -153,8 +153,8 @@ def main() -> int:
     p.add_argument("--check-tokens", type=int, default=512)
     p.add_argument("--groupings", default="full,block:4")
     p.add_argument("--sites-per-pass", default="1,2,4,8")
-    p.add_argument("--configs", default="", help="extra rows with a forward launch config of the head-tiled pass: "
-                   "'GROUPING:SITES:fwd=TOKENS,WARPS,PREFETCH;...' (block:4 written block4)")
+    p.add_argument("--configs", default="", help="extra rows with launch configs of the head-tiled forward and the "
+                   "column backward: 'GROUPING:SITES:fwd=TOKENS,WARPS,PREFETCH:col=TOKENS,WARPS;...' (block:4 as block4)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_stack_out"))
     p.add_argument("--budget", type=float, default=400.0, help="seconds; stop starting rows after this")
     args = p.parse_args()
@@ -184,15 +184,18 @@ def main() -> int:
         variants.append((grouping, spp, cfg))
 
     saved = {k: dict(v) for k, v in history.HISTORY_CONFIG.items()}
+    saved_column = column.COLUMN_CONFIG
     for grouping, spp, cfg in variants:
         if time.time() - t0 > args.budget:
             print(f"budget reached: {grouping} spp {spp} not run", flush=True)
             continue
         history.HISTORY_CONFIG = {k: dict(v) for k, v in saved.items()}
+        column.COLUMN_CONFIG = (cfg or {}).get("col", saved_column)
         g = 1 << (max(spp, 1) - 1).bit_length()
-        for kind, val in (cfg or {}).items():
-            history.HISTORY_CONFIG[kind][g] = val
-        label = history.HISTORY_CONFIG["fwd"].get(g) if spp > 2 else "row kernels"
+        if cfg and "fwd" in cfg:
+            history.HISTORY_CONFIG["fwd"][g] = cfg["fwd"]
+        fwd = history.HISTORY_CONFIG["fwd"].get(g) if spp > 2 else "row kernels"
+        label = f"fwd {fwd}, column {column.COLUMN_CONFIG}"
         row = {"grouping": grouping, "sites_per_pass": spp, "config": str(label)}
         try:
             row["check"] = check(grouping, d, L, args.heads, spp, args.check_tokens, dev)

@@ -48,11 +48,11 @@ def test_shared_pass_matches_the_reference(monkeypatch, S, N, d, H, G, block_n, 
     refs = [_route(src.double(), qg[k].double(), H) for k in range(G)]
     out0 = torch.full((N, d), float("nan"))
     rest = torch.full((G - 1, N, d), float("nan"))
-    lse = torch.full((G, H, N), float("nan"))
+    lse = torch.full((G, N, H), float("nan"))
     history.history_forward(src, _rms(src), qg, H, out0, rest, lse)
     torch.testing.assert_close(out0, refs[0][0].float(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(rest, torch.stack([o for o, _ in refs[1:]]).float(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse, torch.stack([l for _, l in refs]).float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, torch.stack([l.t() for _, l in refs]).float(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("S,N,d,H", [
@@ -70,8 +70,8 @@ def test_backward_by_source_matches_autograd(S, N, d, H):
     loss = sum((o * g.double()).sum() for o, g in zip(outs, grad_out))
     dsrc_ref, dqg_ref = torch.autograd.grad(loss, (src64, qg64))
     out = torch.stack(outs).detach().float()
-    lse = torch.stack(lses).detach().float().contiguous()
-    delta = torch.einsum("knhc,knhc->khn", grad_out.view(S, N, H, -1), out.view(S, N, H, -1)).contiguous()
+    lse = torch.stack([l.t() for l in lses]).detach().float().contiguous()
+    delta = torch.einsum("knhc,knhc->knh", grad_out.view(S, N, H, -1), out.view(S, N, H, -1)).contiguous()
     rms = _rms(src)
     dqg = torch.zeros(S, d)
     for j in range(S):

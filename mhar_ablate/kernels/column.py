@@ -39,62 +39,71 @@ def _column_bwd_kernel(
     x_ptr, rms_ptr, g_ptr, lse_ptr, delta_ptr, qg_ptr, dx_ptr, dzr_ptr,
     N, S,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
-    BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr,
+    BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    tok = tl.program_id(0).to(tl.int64)
-    row = tok * D
+    # A program holds BLOCK_N tokens' rows, [BLOCK_N, H, .]; a site's query row [1, H, .] broadcasts over
+    # them, so that each is read from cache once per BLOCK_N tokens rather than once per token.
+    n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    nn = n[:, None, None]
     hh = tl.arange(0, H)
-    h = hh[:, None]
-    ja = tl.arange(0, DA)[None, :]
-    jb = tl.arange(0, BLOCK_DB)[None, :]
-    col_a = h * DH + ja  # [H, DA]
+    h = hh[None, :, None]
+    ja = tl.arange(0, DA)[None, None, :]
+    jb = tl.arange(0, BLOCK_DB)[None, None, :]
+    col_a = h * DH + ja  # [1, H, DA]
     col_b = h * DH + DA + jb
     b_ok = jb < DB
-    xa = tl.load(x_ptr + row + col_a).to(tl.float32)
+    row_ok = n_ok[:, None, None]
+    offs_a = nn * D + col_a  # [BLOCK_N, H, DA]
+    offs_b = nn * D + col_b
+    xa = tl.load(x_ptr + offs_a, mask=row_ok, other=0.0).to(tl.float32)
     if HAS_B:
-        xb = tl.load(x_ptr + row + col_b, mask=b_ok, other=0.0).to(tl.float32)
-    r = tl.load(rms_ptr + tok)
-    dxa = tl.zeros([H, DA], tl.float32)
+        xb = tl.load(x_ptr + offs_b, mask=row_ok & b_ok, other=0.0).to(tl.float32)
+    r = tl.load(rms_ptr + n, mask=n_ok, other=0.0)[:, None]  # [BLOCK_N, 1]
+    dxa = tl.zeros([BLOCK_N, H, DA], tl.float32)
     if HAS_B:
-        dxb = tl.zeros([H, BLOCK_DB], tl.float32)
-    dr = tl.zeros([H], tl.float32)
+        dxb = tl.zeros([BLOCK_N, H, BLOCK_DB], tl.float32)
+    dr = tl.zeros([BLOCK_N, H], tl.float32)
 
-    # Site s's output gradient is loaded one site ahead (see mhar_triton: loads that feed no dot are not
-    # pipelined by the compiler). The limit is a tensor mask, 0 past the last site.
-    g = g_ptr + row
-    next_a = tl.load(g + col_a, mask=ja < tl.where(S > 0, DA, 0), other=0.0)
+    # Site s's output gradients are loaded one site ahead (see mhar_triton: loads that feed no dot are
+    # not pipelined by the compiler). The limit is a tensor mask, no rows past the last site.
+    g = g_ptr
+    next_a = tl.load(g + offs_a, mask=(n < tl.where(S > 0, N, 0))[:, None, None], other=0.0)
     if HAS_B:
-        next_b = tl.load(g + col_b, mask=jb < tl.where(S > 0, DB, 0), other=0.0)
-    site = hh * N + tok  # [H]: (site, head, token) offsets of the (sites, H, N) statistics
-    dzr = dzr_ptr + hh.to(tl.int64) * S * N + tok
+        next_b = tl.load(g + offs_b, mask=(n < tl.where(S > 0, N, 0))[:, None, None] & b_ok, other=0.0)
+    stat = n[:, None] * H + hh[None, :]  # [BLOCK_N, H]: offsets in the (sites, N, H) statistics
+    stat_ok = n_ok[:, None]
+    dzr = dzr_ptr + hh.to(tl.int64)[None, :] * S * N + n[:, None]
     for s in range(S):
         ga = next_a.to(tl.float32)
-        next_a = tl.load(g + N * D + col_a, mask=ja < tl.where(s + 1 < S, DA, 0), other=0.0)
-        qa = tl.load(qg_ptr + s * D + col_a)
-        u = tl.sum(xa * qa, axis=1)  # [H]
-        da = tl.sum(ga * xa, axis=1)
+        ahead = (n < tl.where(s + 1 < S, N, 0))[:, None, None]
+        next_a = tl.load(g + N * D + offs_a, mask=ahead, other=0.0)
+        qa = tl.load(qg_ptr + s * D + col_a)  # [1, H, DA]
+        u = tl.sum(xa * qa, axis=2)  # [BLOCK_N, H]
+        da = tl.sum(ga * xa, axis=2)
         if HAS_B:
             gb = next_b.to(tl.float32)
-            next_b = tl.load(g + N * D + col_b, mask=jb < tl.where(s + 1 < S, DB, 0), other=0.0)
+            next_b = tl.load(g + N * D + offs_b, mask=ahead & b_ok, other=0.0)
             qb = tl.load(qg_ptr + s * D + col_b, mask=b_ok, other=0.0)
-            u += tl.sum(xb * qb, axis=1)
-            da += tl.sum(gb * xb, axis=1)
-        lse = tl.load(lse_ptr + site)
-        delta = tl.load(delta_ptr + site)
+            u += tl.sum(xb * qb, axis=2)
+            da += tl.sum(gb * xb, axis=2)
+        # padded tokens: lse = +inf, weight 0
+        lse = tl.load(lse_ptr + stat, mask=stat_ok, other=float("inf"))
+        delta = tl.load(delta_ptr + stat, mask=stat_ok, other=0.0)
         a = tl.exp(u * r - lse)
         dz = a * (da - delta)
         rdz = dz * r
         dr += dz * u
-        dxa += a[:, None] * ga + rdz[:, None] * qa
+        dxa += a[:, :, None] * ga + rdz[:, :, None] * qa
         if HAS_B:
-            dxb += a[:, None] * gb + rdz[:, None] * qb
-        tl.store(dzr + s * N, rdz)
+            dxb += a[:, :, None] * gb + rdz[:, :, None] * qb
+        tl.store(dzr + s * N, rdz, mask=stat_ok)
         g += N * D
-        site += H * N
-    w = tl.sum(dr, axis=0) * (r * r * r / D)
-    tl.store(dx_ptr + row + col_a, (dxa - w * xa).to(dx_ptr.dtype.element_ty))
+        stat += N * H
+    w = (tl.sum(dr, axis=1)[:, None] * (r * r * r / D))[:, :, None]  # [BLOCK_N, 1, 1]
+    tl.store(dx_ptr + offs_a, (dxa - w * xa).to(dx_ptr.dtype.element_ty), mask=row_ok)
     if HAS_B:
-        tl.store(dx_ptr + row + col_b, (dxb - w * xb).to(dx_ptr.dtype.element_ty), mask=b_ok)
+        tl.store(dx_ptr + offs_b, (dxb - w * xb).to(dx_ptr.dtype.element_ty), mask=row_ok & b_ok)
 
 
 @triton.jit(do_not_specialize=["N", "S", "tokens_per_chunk"])
@@ -131,6 +140,10 @@ def _dqg_kernel(
     tl.store(out, acc, mask=s_ok[:, None])
 
 
+# Tokens per program and warps of the column kernel (the interpreter: two tokens, to cover the mask).
+COLUMN_CONFIG = (2, 4)
+
+
 def _channel_block(head_width: int) -> int:
     """The largest power of two dividing the head width, at most 64: a block of channels of one head."""
     return min(64, head_width & -head_width)
@@ -141,7 +154,7 @@ def column_backward(x: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta
     """The gradient of one slot ``x`` (N, d) read by S sites, and the S sites' ``qg`` gradients from it.
 
     ``rms`` (N,) is the slot's RMS statistic; ``grad_out`` (S, N, d) the sites' output gradients,
-    ``lse`` and ``delta`` (S, H, N) fp32 their log-sum-exps and deltas, ``qg`` (S, d) fp32 their fused
+    ``lse`` and ``delta`` (S, N, H) fp32 their log-sum-exps and deltas, ``qg`` (S, d) fp32 their fused
     query rows. Returns ``(dx (N, d) in x's dtype, dqg (S, d) fp32)``.
     """
     N, d = x.shape
@@ -152,8 +165,10 @@ def column_backward(x: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta
     meta = {k: v for k, v in _head_meta(d, num_heads).items()}
     meta["HAS_B"] = meta["DB"] > 0
     dzr = torch.empty((num_heads, S, N), dtype=torch.float32, device=x.device)
-    launch = dict(meta) if x.device.type == "cpu" else {**meta, "num_warps": 4}
-    _launch(_column_bwd_kernel, (N,), (x, rms, grad_out, lse, delta, qg, dx, dzr, N, S), launch, x.device)
+    block_n, warps = COLUMN_CONFIG if x.device.type != "cpu" else (2, None)
+    launch = {**meta, "BLOCK_N": block_n, **({"num_warps": warps} if warps else {})}
+    _launch(_column_bwd_kernel, (triton.cdiv(N, block_n),), (x, rms, grad_out, lse, delta, qg, dx, dzr, N, S),
+            launch, x.device)
 
     block_c = _channel_block(d // num_heads)
     use_dot = block_c >= 16

@@ -28,7 +28,8 @@ Math (per site k, r = rsqrt(mean_c s_c^2 + eps), u_k = <s_h, qg_k,h>, z = r u):
                ds  = sum_k [a_k g_k + dz_k r qg_k] - (r^3 s / d) sum_k sum_h dz_k,h u_k,h,
                dqg_k += dz_k r s
 
-Log-sum-exps and deltas are laid out (sites, H, N): contiguous along tokens for the head-tiled kernels.
+Log-sum-exps and deltas are laid out (sites, N, H): a token's heads in one 32-byte sector, read once per
+(token, site) by the backward.
 Heads whose width is not a power of two are split into a power-of-two part (DA) and a rest (DB, padded
 to BLOCK_DB), as in ``mhar_triton``; on CPU tensors the kernels run through Triton's interpreter.
 """
@@ -82,7 +83,7 @@ def _sites_fwd_kernel(
     qg_a = tl.load(qg_ptr + k * D + col_a, mask=k_ok, other=0.0)
     if HAS_B:
         qg_b = tl.load(qg_ptr + k * D + col_b, mask=k_ok & b_ok, other=0.0)
-    kh = tl.arange(0, BLOCK_G)[:, None] * H * N + tl.arange(0, H)[None, :] * N + tok  # [BLOCK_G, H]
+    kh = tl.arange(0, BLOCK_G)[:, None] * N * H + tok * H + tl.arange(0, H)[None, :]  # [BLOCK_G, H]
     kh_ok = (tl.arange(0, BLOCK_G) < G)[:, None]
 
     if HAS_INIT:  # continue from a partial state: its normalised output, weight 1 at its log-sum-exp
@@ -180,7 +181,7 @@ def _sites_bwd_kernel(
         tok = tl.minimum(tok, N - 1)
         row = tok * D
         site_row = k.to(tl.int64) * N * D + row
-        kh = tl.arange(0, BLOCK_G)[:, None] * H * N + tl.arange(0, H)[None, :] * N + tok
+        kh = tl.arange(0, BLOCK_G)[:, None] * N * H + tok * H + tl.arange(0, H)[None, :]
         ga = tl.load(g_ptr + site_row + col_a, mask=k_ok, other=0.0).to(tl.float32)
         if HAS_B:
             gb = tl.load(g_ptr + site_row + col_b, mask=k_ok & b_ok, other=0.0).to(tl.float32)
@@ -366,7 +367,7 @@ def _history_fwd_kernel(
         out_b = (acc_b * inv_l).to(out0_ptr.dtype.element_ty)
         tl.store(out0_ptr + offs_b + k * 0, out_b, mask=first & b_ok)
         tl.store(rest_ptr + rest_offs + offs_b, out_b, mask=later & b_ok)
-    kn = tl.arange(0, BLOCK_G)[None, :] * H * N + head * N + n[:, None]  # [BLOCK_N, BLOCK_G]
+    kn = tl.arange(0, BLOCK_G)[None, :] * N * H + n[:, None] * H + head  # [BLOCK_N, BLOCK_G]
     tl.store(lse_ptr + kn, m + tl.log(l), mask=(n < N)[:, None] & (tl.arange(0, BLOCK_G) < G)[None, :])
 
 
@@ -426,7 +427,7 @@ def sites_forward(sources: Tensor, qg: Tensor, num_heads: int, eps: float, out: 
                   lse: Tensor, init: Tensor | None = None) -> None:
     """Route ``sources`` (S, N, d), contiguous, for the G sites whose fused query·key-gain rows are ``qg``
     (G, d) fp32, a whole row per program. Writes site 0's normalised output to ``out`` (N, d), site k's to
-    ``rest[k - 1]`` and every site's log-sum-exp to ``lse`` (G, H, N) fp32. With ``init`` (G, N, d) the
+    ``rest[k - 1]`` and every site's log-sum-exp to ``lse`` (G, N, H) fp32. With ``init`` (G, N, d) the
     sites continue from that partial state, whose log-sum-exps are read from ``lse`` first (in place)."""
     S, N, d = sources.shape
     G = qg.shape[0]
@@ -471,7 +472,7 @@ def sites_backward(sources: Tensor, grad_sources: Tensor, accumulate: bool, qg: 
     of the sites' ``qg`` gradients (programs, G', d) fp32 (G' >= G: sum over programs, keep G rows), or
     None when S = 0.
 
-    ``grad_out`` (G, N, d), ``lse`` and ``delta`` (G, H, N) fp32 describe the sites. With ``out`` (one
+    ``grad_out`` (G, N, d), ``lse`` and ``delta`` (G, N, H) fp32 describe the sites. With ``out`` (one
     site's output, G = 1) ``delta`` is computed from it and written, and ``grad_out`` is copied into
     ``grad_copy`` if given. S may be 0: then only that prologue runs.
     """

@@ -92,7 +92,7 @@ class _Group:
     def __init__(self, plan: SitePlan, qg: Tensor, lse: Tensor):
         self.plan = plan
         self.qg = qg  # (G, d) fp32: query * key gain of each site
-        self.lse = lse  # (G, H, N) fp32: each site's log-sum-exp over everything it reads
+        self.lse = lse  # (G, N, H) fp32: each site's log-sum-exp over everything it reads
         self.first: Tensor | None = None  # the history pass's normalised output of site 0 ...
         self.rest: Tensor | None = None  # ... and of sites 1.. (G - 1, N, d), dropped once merged
 
@@ -123,7 +123,7 @@ class FusedState:
         # Every site's query * key gain, and its log-sum-exp per head and token: one tensor each for the
         # whole pass (groups take slices), fewer small launches and allocations per site.
         self.qg = (residual.query.detach().float() * residual.key_weight.detach().float()).contiguous()
-        self.lse = torch.empty((residual.n_sites, H, self.N), dtype=torch.float32, device=dev)
+        self.lse = torch.empty((residual.n_sites, self.N, H), dtype=torch.float32, device=dev)
         self.group: _Group | None = None
         self.partial: Tensor | None = None  # block grouping: the unfinished block's running sum
         self.in_block = 0
@@ -214,7 +214,7 @@ class FusedState:
         if self.grad_out is None:
             n, dev = self.res.n_sites, self.buffer.device
             self.grad_out = torch.empty((n, self.N, self.d), dtype=self.dtype, device=dev)
-            self.delta = torch.empty((n, self.res.num_heads, self.N), dtype=torch.float32, device=dev)
+            self.delta = torch.empty((n, self.N, self.res.num_heads), dtype=torch.float32, device=dev)
             self.dqg = torch.zeros((n, self.d), dtype=torch.float32, device=dev)
 
     def route_backward(self, site: int, grad_out: Tensor, out: Tensor, partial: Tensor | None) -> Tensor | None:
