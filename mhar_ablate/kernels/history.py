@@ -64,11 +64,14 @@ def _write_slot_kernel(src_ptr, dst_ptr, rms_ptr, eps, D: tl.constexpr, BLOCK_D:
 # empty loads, masks or reductions.
 @triton.jit(do_not_specialize=["N", "S", "G"])
 def _sites_fwd_kernel(
-    src_ptr, qg_ptr, init_ptr, out0_ptr, rest_ptr, lse_ptr,
+    src_ptr, rms_ptr, qg_ptr, init_ptr, out0_ptr, rest_ptr, lse_ptr,
     N, S, G, stride_s, eps,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_G: tl.constexpr, HAS_INIT: tl.constexpr,
+    USE_RMS: tl.constexpr,
 ):
+    # USE_RMS: the sources' RMS statistics are read from ``rms`` (buffer slots have them) instead of being
+    # reduced from the row, a reduction across the program's warps per source.
     tok = tl.program_id(0).to(tl.int64)
     row = tok * D
     k = tl.arange(0, BLOCK_G)[:, None, None]  # [BLOCK_G, 1, 1] site within the group
@@ -106,20 +109,27 @@ def _sites_fwd_kernel(
     next_a = tl.load(src + col_a, mask=ja < tl.where(S > 0, DA, 0), other=0.0)
     if HAS_B:
         next_b = tl.load(src + col_b, mask=jb < tl.where(S > 0, DB, 0), other=0.0)
+    rms = rms_ptr + tok
     for s in range(S):
         xa = next_a.to(tl.float32)
         # Issue the loads of source s + 1 before reducing source s (see mhar_triton: the pipeliner does not
         # stage loads that feed no dot).
         next_a = tl.load(src + stride_s + col_a, mask=ja < tl.where(s + 1 < S, DA, 0), other=0.0)
-        ss = tl.sum(tl.sum(tl.sum(xa * xa, axis=2), axis=1), axis=0)
         z = tl.sum(xa * qg_a, axis=2)  # [BLOCK_G, H]
+        if not USE_RMS:
+            ss = tl.sum(tl.sum(tl.sum(xa * xa, axis=2), axis=1), axis=0)
         if HAS_B:
             xb = next_b.to(tl.float32)
             next_b = tl.load(src + stride_s + col_b, mask=jb < tl.where(s + 1 < S, DB, 0), other=0.0)
-            ss += tl.sum(tl.sum(tl.sum(xb * xb, axis=2), axis=1), axis=0)
+            if not USE_RMS:
+                ss += tl.sum(tl.sum(tl.sum(xb * xb, axis=2), axis=1), axis=0)
             z += tl.sum(xb * qg_b, axis=2)
         src += stride_s
-        r = 1.0 / tl.sqrt(ss / D + eps)
+        if USE_RMS:
+            r = tl.load(rms)
+            rms += N
+        else:
+            r = 1.0 / tl.sqrt(ss / D + eps)
         z = z * r
         m_new = tl.maximum(m, z)
         alpha = tl.exp(m - m_new)
@@ -424,20 +434,21 @@ def write_slot(source: Tensor, slot: Tensor, rms: Tensor, eps: float) -> None:
 
 
 def sites_forward(sources: Tensor, qg: Tensor, num_heads: int, eps: float, out: Tensor, rest: Tensor | None,
-                  lse: Tensor, init: Tensor | None = None) -> None:
+                  lse: Tensor, init: Tensor | None = None, rms: Tensor | None = None) -> None:
     """Route ``sources`` (S, N, d), contiguous, for the G sites whose fused query·key-gain rows are ``qg``
     (G, d) fp32, a whole row per program. Writes site 0's normalised output to ``out`` (N, d), site k's to
     ``rest[k - 1]`` and every site's log-sum-exp to ``lse`` (G, N, H) fp32. With ``init`` (G, N, d) the
-    sites continue from that partial state, whose log-sum-exps are read from ``lse`` first (in place)."""
+    sites continue from that partial state, whose log-sum-exps are read from ``lse`` first (in place).
+    ``rms`` (S, N): the sources' RMS statistics, if known (else reduced from the rows)."""
     S, N, d = sources.shape
     G = qg.shape[0]
     if N == 0:
         return
-    meta = {**_meta(d, num_heads), "BLOCK_G": _block_g(G), "HAS_INIT": init is not None}
+    meta = {**_meta(d, num_heads), "BLOCK_G": _block_g(G), "HAS_INIT": init is not None, "USE_RMS": rms is not None}
     if sources.device.type != "cpu":
         meta["num_warps"] = _num_warps(d, num_heads, meta["BLOCK_G"])
-    args = (sources, qg, init if init is not None else out, out, rest if rest is not None else out, lse,
-            N, S, G, N * d, eps)
+    args = (sources, rms if rms is not None else qg, qg, init if init is not None else out, out,
+            rest if rest is not None else out, lse, N, S, G, N * d, eps)
     _launch(_sites_fwd_kernel, (N,), args, meta, sources.device)
 
 

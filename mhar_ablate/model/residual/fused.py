@@ -182,7 +182,8 @@ class FusedState:
             if plan.size > 1:
                 group.rest = torch.empty((plan.size - 1, N, d), dtype=self.dtype, device=self.buffer.device)
             if plan.size <= ROW_PASS_MAX_SITES:
-                sites_forward(history, group.qg, H, eps, group.first, group.rest, group.lse)
+                sites_forward(history, group.qg, H, eps, group.first, group.rest, group.lse,
+                              rms=self.rms[:plan.history])
             else:
                 history_forward(history, self.rms[:plan.history], group.qg, H, group.first, group.rest, group.lse)
             self.group = group
@@ -193,8 +194,9 @@ class FusedState:
             out = state
         else:
             out = torch.empty((N, d), dtype=self.dtype, device=self.buffer.device)
-            sites_forward(extras, group.qg[plan.k:plan.k + 1], H, eps, out, None,
-                          group.lse[plan.k:plan.k + 1], init=state.unsqueeze(0))
+            in_buffer = self.res.block_sublayers == 1  # the extras are slots, with their statistics
+            sites_forward(extras, group.qg[plan.k:plan.k + 1], H, eps, out, None, group.lse[plan.k:plan.k + 1],
+                          init=state.unsqueeze(0), rms=self.rms[plan.history:plan.history + plan.k] if in_buffer else None)
         if plan.k == plan.size - 1:  # every site of the group has merged: drop the partial states
             group.first = group.rest = None
         return out.view(self.shape)
