@@ -42,11 +42,15 @@ import torch
 from torch import Tensor
 
 ROUTING_RANGE = "mhar::routing"  # profiler range around routing work, forward and backward
-# Sites per shared pass over the history (see docs/benchmarks.md for the measurements behind it).
-DEFAULT_SITES_PER_PASS = 1
+# Sites per shared pass over the history. Measured on the H200 at paper350m (docs/benchmarks.md): the
+# forward's routing kernels take 6.6 ms a step one site a pass, 5.0 ms four a pass, no less at eight.
+DEFAULT_SITES_PER_PASS = 4
 # Up to this many sites, a shared pass holds every site's state for whole rows (``sites_forward``); beyond
-# it, the head-tiled pass (``history_forward``), whose programs hold one head of every site.
+# it, the head-tiled pass (``history_forward``), whose programs hold one head of every site: for heads
+# wider than HEAD_TILED_MAX_WIDTH (AttnRes: one head of width d) that would not fit either, and groups are
+# cut to ROW_PASS_MAX_SITES.
 ROW_PASS_MAX_SITES = 2
+HEAD_TILED_MAX_WIDTH = 256
 
 
 def routing_range():
@@ -119,7 +123,10 @@ class FusedState:
         self.ran = [False] * residual.n_sites
         self.clean_from = residual.n_sites
         self.dqg: Tensor | None = None
-        self.plans = plan_sites(residual.n_sites, residual.block_sublayers, residual.sites_per_pass)
+        per_pass = residual.sites_per_pass
+        if d // H > HEAD_TILED_MAX_WIDTH:
+            per_pass = min(per_pass, ROW_PASS_MAX_SITES)
+        self.plans = plan_sites(residual.n_sites, residual.block_sublayers, per_pass)
         # Every site's query * key gain, and its log-sum-exp per head and token: one tensor each for the
         # whole pass (groups take slices), fewer small launches and allocations per site.
         self.qg = (residual.query.detach().float() * residual.key_weight.detach().float()).contiguous()
