@@ -155,3 +155,16 @@ def test_buffers_are_freed_after_backward():
     fused(torch.randint(0, VOCAB, (1, 4))).sum().backward()
     ref = weakref.ref(states.pop())
     assert ref() is None
+
+
+def test_wide_heads_share_passes_two_sites_at_most():
+    """A head wider than the head-tiled pass takes (AttnRes at d > 256) would not fit its registers: such
+    models route at most two sites a pass, whatever sites_per_pass asks."""
+    from mhar_ablate.model.residual.fused import HEAD_TILED_MAX_WIDTH, ROW_PASS_MAX_SITES
+
+    d = 2 * HEAD_TILED_MAX_WIDTH
+    _, fused = _pair("attnres", "full", None, d, 2, sites_per_pass=4)
+    state = fused.residual.start(torch.zeros(1, 2, d))
+    assert max(p.size for p in state.plans) == ROW_PASS_MAX_SITES
+    _, narrow = _pair("mhar", "full", 4, 32, 2, sites_per_pass=4)
+    assert max(p.size for p in narrow.residual.start(torch.zeros(1, 2, 32)).plans) == 4

@@ -58,6 +58,16 @@ def _write_slot_kernel(src_ptr, dst_ptr, rms_ptr, eps, D: tl.constexpr, BLOCK_D:
     tl.store(rms_ptr + tok, 1.0 / tl.sqrt(tl.sum(yf * yf, axis=0) / D + eps))
 
 
+@triton.jit
+def _softmax_step(m, l, z):
+    """One more source into running (max, sum) softmax states: the new states, the factor that rescales
+    what was accumulated, and the new source's weight."""
+    m_new = tl.maximum(m, z)
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(z - m_new)
+    return m_new, l * alpha + p, alpha, p
+
+
 # Counts are not specialised on (S == 1, N % 16, ...): every site's S differs, and each specialisation would
 # be one more compilation, paid inside the first training steps. The rest part of a head (DB channels) is
 # compiled in only when the head width is not a power of two (HAS_B), so that power-of-two widths carry no
@@ -131,14 +141,10 @@ def _sites_fwd_kernel(
         else:
             r = 1.0 / tl.sqrt(ss / D + eps)
         z = z * r
-        m_new = tl.maximum(m, z)
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(z - m_new)
-        l = l * alpha + p
+        m, l, alpha, p = _softmax_step(m, l, z)
         acc_a = acc_a * alpha[:, :, None] + p[:, :, None] * xa
         if HAS_B:
             acc_b = acc_b * alpha[:, :, None] + p[:, :, None] * xb
-        m = m_new
 
     inv_l = 1.0 / l[:, :, None]
     # Site 0's output goes to its own tensor (it may be kept for backward while the other partial states
@@ -356,14 +362,10 @@ def _history_fwd_kernel(
         if HAS_B:
             z += tl.sum(xb * qg_b, axis=2)
         z = z * r
-        m_new = tl.maximum(m, z)
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(z - m_new)
-        l = l * alpha + p
+        m, l, alpha, p = _softmax_step(m, l, z)
         acc_a = acc_a * alpha[:, :, None] + p[:, :, None] * xa
         if HAS_B:
             acc_b = acc_b * alpha[:, :, None] + p[:, :, None] * xb
-        m = m_new
 
     inv_l = 1.0 / l[:, :, None]
     n_ok = (n < N)[:, None, None]
