@@ -116,7 +116,7 @@ def test_fused_path_saves_no_per_site_copies_of_the_history():
     n_sites, tokens = 2 * layers + 1, idx.numel()
     extra_fused = saved_elements(fused, idx) - saved_elements(base, idx)
     extra_ref = saved_elements(ref, idx) - saved_elements(base, idx)
-    # per site: its output and the group's query rows; the source buffer itself is not saved, it is kept
+    # per site: its output (and a block's partial sum); the source buffer itself is not saved, it is kept
     assert extra_fused <= n_sites * (tokens * d + 4 * d)
     assert extra_ref > 3 * extra_fused  # the stacked reference grows with sites^2
 
