@@ -29,7 +29,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .mhar_triton import _head_meta, _launch
+from .history import _meta
+from .mhar_triton import _launch
 
 __all__ = ["column_backward"]
 
@@ -177,8 +178,7 @@ def column_backward(x: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta
     dx = torch.empty_like(x)
     if N == 0 or S == 0:
         return dx.zero_(), torch.zeros((S, d), dtype=torch.float32, device=x.device)
-    meta = {k: v for k, v in _head_meta(d, num_heads).items()}
-    meta["HAS_B"] = meta["DB"] > 0
+    meta = _meta(d, num_heads)
     dzr = torch.empty((num_heads, S, N), dtype=torch.float32, device=x.device)
     block_n, warps = COLUMN_CONFIG if x.device.type != "cpu" else (2, None)
     launch = {**meta, "BLOCK_N": block_n, **({"num_warps": warps} if warps else {})}

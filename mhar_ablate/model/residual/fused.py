@@ -201,9 +201,10 @@ class FusedState:
             out = state
         else:
             out = torch.empty((N, d), dtype=self.dtype, device=self.buffer.device)
-            in_buffer = self.res.block_sublayers == 1  # the extras are slots, with their statistics
+            # In full grouping the extras are slots, whose statistics are known; a block's partial sum is not.
+            rms = self.rms[plan.history:plan.history + plan.k] if self.res.block_sublayers == 1 else None
             sites_forward(extras, group.qg[plan.k:plan.k + 1], H, eps, out, None, group.lse[plan.k:plan.k + 1],
-                          init=state.unsqueeze(0), rms=self.rms[plan.history:plan.history + plan.k] if in_buffer else None)
+                          init=state.unsqueeze(0), rms=rms)
         if plan.k == plan.size - 1:  # every site of the group has merged: drop the partial states
             group.first = group.rest = None
         return out.view(self.shape)
