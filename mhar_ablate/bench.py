@@ -36,7 +36,6 @@ import statistics
 import sys
 import time
 import traceback
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -51,7 +50,6 @@ from .errors import UsageError
 PAPER_BATCH = 8
 PAPER_VOCAB = 151_936  # Qwen3 tokenizer, tied embeddings
 CPU_SHAPE = (1, 16)  # --device cpu: a smoke run, not a measurement
-GRAPH_WARMUP = 3  # side-stream steps before a capture, as in PyTorch's whole-network capture example
 
 
 @dataclass(frozen=True)
@@ -335,47 +333,39 @@ def _attempt(row: dict, measure, *args):
 
 
 class _Training:
-    """What a variant's rows share: the model, its optimiser, a few batches and the loss (compiled or not).
-    Built once per variant: compiling the paper's shapes takes a minute."""
+    """What a variant's rows share: the model, and the training step that ``train`` runs on it
+    (``training.step.TrainStep``: bf16 autocast, clipping, fused AdamW with routing parameters undecayed),
+    fed a few random batches. Built once per variant: compiling the paper's shapes takes a minute."""
 
     def __init__(self, v: Variant, args: argparse.Namespace, batch: int, seq: int, vocab: int,
                  device: torch.device):
         import torch
-        import torch.nn.functional as F
+
+        from .config import OptimConfig
+        from .training.step import make_loss, make_optimizer
 
         self.device, self.cuda = device, device.type == "cuda"
         if v.compiled:
             torch._dynamo.reset()  # each model compiles afresh: no stale guards, no cache-size fallback to eager
         self.model = model = _build(v, args.preset, args.heads, vocab, device)
-        # capturable lets a graph capture step(); the fused kernels do not read it, so the ordinary row runs
-        # the same optimiser at the same speed as without it.
-        self.opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-4, betas=(0.9, 0.95), fused=self.cuda,
-                                     capturable=self.cuda)
+        self.optim = OptimConfig(lr=1e-4)  # the paper's recipe: AdamW (0.9, 0.95), weight decay 0.1, clip 1.0
+        self.opt = make_optimizer(model, self.optim, device)
         gen = torch.Generator(device=device).manual_seed(1)
         data = [torch.randint(0, vocab, (batch, seq + 1), device=device, generator=gen) for _ in range(3)]
         self.data = [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
+        self.loss_fn = make_loss(model, args.compile_mode if v.compiled else None)
+        self.train_step = self.new_step(cuda_graph=False)
 
-        def loss_fn(x, y):
-            logits = model(x)
-            return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
-
-        self.loss_fn = torch.compile(loss_fn, mode=args.compile_mode) if v.compiled else loss_fn
-
-    def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def new_step(self, cuda_graph: bool):
         import torch
 
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cuda):
-            return self.loss_fn(x, y)
+        from .training.step import TrainStep
 
-    def train(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = self.loss(x, y)
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        return TrainStep(self.model, self.opt, self.loss_fn, grad_clip=self.optim.grad_clip,
+                         autocast=torch.bfloat16 if self.cuda else None, device=self.device, cuda_graph=cuda_graph)
 
     def step(self, i: int) -> torch.Tensor:
-        return self.train(*self.data[i % len(self.data)])
+        return self.train_step(*self.data[i % len(self.data)])
 
 
 def _measure(v: Variant, args: argparse.Namespace, batch: int, seq: int, vocab: int, device: torch.device,
@@ -388,11 +378,8 @@ def _measure(v: Variant, args: argparse.Namespace, batch: int, seq: int, vocab: 
     if v.path == "fused":
         row["sites_per_pass"] = t.model.residual.sites_per_pass
     t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        # The optimiser warns that capturable slows uncaptured steps: true of its unfused kernels only.
-        warnings.filterwarnings("ignore", message="This instance was constructed with capturable=True")
-        for i in range(args.warmup):
-            t.step(i)
+    for i in range(args.warmup):
+        t.step(i)
     _sync(device)
     row["warmup_s"] = round(time.perf_counter() - t0, 1)
     if t.cuda:
@@ -412,60 +399,23 @@ def _measure(v: Variant, args: argparse.Namespace, batch: int, seq: int, vocab: 
 
 
 def _measure_graph(t: _Training, args: argparse.Namespace, tokens: int, ordinary: dict, row: dict) -> None:
-    """The graph row: the step captured once, then replayed (untimed, then timed) after copying each batch
-    into the captured inputs."""
+    """The graph row: the same step captured once (``TrainStep.prepare``), then replayed (untimed, then
+    timed) after copying each batch into the captured inputs."""
     import torch
 
     row["sites_per_pass"] = ordinary["sites_per_pass"]
-    x, y = (d.clone() for d in t.data[0])
-    # From before the capture: the peak of the replays alone would miss the activations, which the graph's
-    # pool holds from its capture on.
-    torch.cuda.reset_peak_memory_stats(t.device)
     t0 = time.perf_counter()
-    graph, loss = _capture(t, x, y)
-
-    def replay(i: int) -> torch.Tensor:
-        next_x, next_y = t.data[i % len(t.data)]
-        x.copy_(next_x)
-        y.copy_(next_y)
-        graph.replay()
-        return loss
-
+    t.train_step = t.new_step(cuda_graph=True)
+    t.train_step.prepare(*t.data[0])  # resets the peak before capturing: a replay allocates nothing
+    if not t.train_step.captured:
+        raise RuntimeError(t.train_step.note)
     for i in range(args.warmup):
-        replay(i)
+        t.step(i)
     _sync(t.device)
     row["warmup_s"] = round(time.perf_counter() - t0, 1)
-    _record_times(row, *_timed_steps(replay, args.warmup, args.steps, t.device), tokens)
+    _record_times(row, *_timed_steps(t.step, args.warmup, args.steps, t.device), tokens)
     row["peak_gb"] = round(torch.cuda.max_memory_allocated(t.device) / 1e9, 2)
     _copy_split(ordinary, row)
-
-
-def _capture(t: _Training, x: torch.Tensor, y: torch.Tensor):
-    """PyTorch's whole-network capture of one step (forward, backward, optimiser step) on the inputs x, y:
-    the graph, and the loss tensor that each replay rewrites."""
-    import torch
-
-    side = torch.cuda.Stream(t.device)
-    side.wait_stream(torch.cuda.current_stream(t.device))
-    with torch.cuda.stream(side):
-        for _ in range(GRAPH_WARMUP):
-            t.train(x, y)
-    torch.cuda.current_stream(t.device).wait_stream(side)
-    # Gradients must be None at capture: the captured backward then allocates them in the graph's pool and
-    # writes rather than accumulates them, so each replay starts afresh with nothing in the graph zeroing them.
-    t.opt.zero_grad(set_to_none=True)
-    graph = torch.cuda.CUDAGraph()
-    home = torch.cuda.current_stream(t.device)
-    try:
-        with torch.cuda.graph(graph):
-            loss = t.loss(x, y)
-            loss.backward()
-            t.opt.step()
-    finally:
-        # A failed capture raises out of torch.cuda.graph's exit before it restores the stream: the next
-        # variant must not run on the capture stream.
-        torch.cuda.set_stream(home)
-    return graph, loss.detach()
 
 
 def _copy_split(ordinary: dict, row: dict) -> None:
@@ -483,6 +433,7 @@ def _copy_split(ordinary: dict, row: dict) -> None:
 
 def _record_times(row: dict, times: list[float], loss: torch.Tensor, tokens: int) -> None:
     """Median step time and tokens/s, once the last step's loss is known to be finite."""
+    loss = loss[0] if loss.dim() else loss  # a step returns [loss, gradient norm]
     if not math.isfinite(loss.item()):
         raise RuntimeError(f"the loss is {loss.item()}")
     row["step_ms"] = round(statistics.median(times), 2)

@@ -224,6 +224,11 @@ class TrainConfig:
     checkpoint_every: float = 120.0
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
     compile: bool = False
+    # Capture each step in a CUDA graph and replay it (CUDA only; on a CPU the step runs uncaptured).
+    cuda_graph: bool = True
+    # Steps between read-outs of the device (losses, gradient norms, the clock, divergence): the only
+    # points besides evaluations where the host waits for the GPU.
+    log_every: int = 20
     threads: int | None = None  # CPU threads for torch; None: torch's default
 
     def validate(self) -> None:
@@ -237,8 +242,8 @@ class TrainConfig:
             raise UsageError(f"train.batch_size must be positive, got {self.batch_size}")
         if self.checkpoint_every < 0:
             raise UsageError(f"train.checkpoint_every must be >= 0 seconds, got {self.checkpoint_every}")
-        if self.eval_every <= 0 or self.eval_batches <= 0 or self.heatmap_every <= 0:
-            raise UsageError("train.eval_every, train.eval_batches and train.heatmap_every must be positive")
+        if self.eval_every <= 0 or self.eval_batches <= 0 or self.heatmap_every <= 0 or self.log_every <= 0:
+            raise UsageError("train.eval_every, train.eval_batches, train.heatmap_every and train.log_every must be positive")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise UsageError(f"train.precision must be auto, fp32 or bf16, got {self.precision!r}")
 

@@ -55,11 +55,11 @@ def test_wallclock_schedule_follows_training_seconds_not_steps():
     assert lr_factor(b.progress(3, 100.0), cfg) == pytest.approx(0.1)
 
 
-def test_clock_counts_only_what_is_inside_start_stop():
+def test_host_clock_counts_only_its_segments():
     c = TrainingClock()
-    c.start(); time.sleep(0.05); c.stop()
+    c.begin_step(); time.sleep(0.05); c.end_step(); c.read()
     time.sleep(0.5)  # e.g. validation
-    c.start(); time.sleep(0.05); c.stop()
+    c.begin_step(); time.sleep(0.05); c.end_step(); c.read()
     assert 0.09 < c.elapsed < 0.45  # generous for a loaded machine, but far from the 0.6 s that passed
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import lightning
 import numpy as np
+import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
@@ -112,7 +113,9 @@ class TokenDataModule(lightning.LightningDataModule):
         return train_batch(self.corpus.train, self.seed, step, self.batch_size, self.seq_len)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(_TrainStream(self), batch_size=None, num_workers=0)
+        # Pinned batches on a GPU machine: a copy from pageable memory would wait for the GPU to finish
+        # the steps queued before it, and the host could never run ahead of the device.
+        return DataLoader(_TrainStream(self), batch_size=None, num_workers=0, pin_memory=torch.cuda.is_available())
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(_ValBatches(self.val_windows, self.batch_size), batch_size=None, shuffle=False,

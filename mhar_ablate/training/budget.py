@@ -1,8 +1,8 @@
 """Equal-step and equal-wall-clock budgets, and the clock that only counts training.
 
-A wall-clock budget is a fixed amount of *training* time: the clock runs only between the start and the
-end of an optimiser step (CUDA synchronised at both ends), so validation, checkpointing, logging and the
-compile/warm-up pass cost an arm nothing. Progress through either budget is a number in [0, 1] that
+A wall-clock budget is a fixed amount of *training* time: the clock runs only over consecutive optimiser
+steps (on a GPU, between CUDA events, read without stalling the device), so validation, checkpointing,
+logging and the compile/warm-up pass cost an arm nothing. Progress through either budget is a number in [0, 1] that
 drives the learning-rate schedule, so a wall-clock run ends fully decayed instead of truncated.
 """
 
@@ -39,33 +39,79 @@ def format_seconds(s: float) -> str:
     return f"{s / 3600:.2f}h"
 
 
+class HostTimer:
+    """Marks on the host's clock: exact at once, so reading it costs nothing (CPU training)."""
+
+    free_readout = True
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, start: float, end: float) -> float:
+        return end - start
+
+
+class CudaEventTimer:
+    """Marks are CUDA events in the current stream: recording one does not wait for the device, and the
+    time between two is the device's, read once the later one has completed."""
+
+    free_readout = False
+
+    def mark(self) -> torch.cuda.Event:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+
 class TrainingClock:
-    """Accumulates the seconds spent inside training steps only."""
+    """Seconds spent training, measured without making the host wait for the device between read-outs.
 
-    def __init__(self, elapsed: float = 0.0):
-        self.elapsed = elapsed
-        self._started: float | None = None
+    Consecutive steps form a segment, timed from a mark before its first step to a mark taken when the
+    segment is read (``read``), which the loop does where it synchronises anyway: a logging read-out,
+    an evaluation, a checkpoint, a stop. Whatever happens between segments (evaluation, checkpointing,
+    logging, compilation) is outside the clock. Between read-outs ``estimate`` extrapolates the open
+    segment from the seconds per step measured so far.
+    """
 
-    @staticmethod
-    def _sync() -> None:
-        # Device work is asynchronous: without a sync the host clock would stop before the GPU does.
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()
+    def __init__(self, timer=None, elapsed: float = 0.0):
+        self.timer = timer if timer is not None else HostTimer()
+        self.elapsed = elapsed  # seconds of every segment read so far
+        self.seconds_per_step: float | None = None
+        self._start = None  # the open segment's first mark
+        self.steps = 0  # steps in the open segment
 
-    def start(self) -> None:
-        self._sync()
-        self._started = time.perf_counter()
-
-    def stop(self) -> float:
-        """Stop and return the seconds of the interval just ended."""
-        if self._started is None:
-            return 0.0
-        self._sync()
-        dt = time.perf_counter() - self._started
-        self.elapsed += dt
-        self._started = None
-        return dt
+    @property
+    def free_readout(self) -> bool:
+        return self.timer.free_readout
 
     @property
     def running(self) -> bool:
-        return self._started is not None
+        return self._start is not None
+
+    def begin_step(self) -> None:
+        if self._start is None:
+            self._start, self.steps = self.timer.mark(), 0
+
+    def end_step(self) -> None:
+        self.steps += 1
+
+    def estimate(self) -> float:
+        """Training seconds so far: read segments exactly, the open one extrapolated."""
+        return self.elapsed + self.steps * (self.seconds_per_step or 0.0)
+
+    def read(self) -> tuple[float, int]:
+        """Close the open segment: add its seconds (waiting for the device to finish it) and return them
+        with its step count."""
+        if self._start is None:
+            return 0.0, 0
+        dt = self.timer.seconds(self._start, self.timer.mark())
+        steps = self.steps
+        self.elapsed += dt
+        if steps:
+            self.seconds_per_step = dt / steps
+        self._start, self.steps = None, 0
+        return dt, steps

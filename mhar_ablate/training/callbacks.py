@@ -26,17 +26,33 @@ from .stop import StopRequest
 EMA = 0.9  # smoothing of the train loss plotted per hour
 
 
+# Near a time budget's end the clock is read after every step, so that a run stops at the first step past
+# its budget. "Near": within NEAR_END_STEPS estimated steps, plus a margin for the extrapolation's error
+# that grows with the steps not yet read (ESTIMATE_ERROR of their estimated time).
+NEAR_END_STEPS = 3
+ESTIMATE_ERROR = 0.5
+_SAID: set[str] = set()  # one-line notes already printed by this process
+
+
 class BudgetCallback(L.Callback):
+    """Owns a run's budget: when to read the device (the steps' losses and the clock), evaluate, stop and
+    checkpoint. Reading the device makes the host wait for it, so it happens only every ``log_every``
+    steps, at evaluations and stops, and after every step near a time budget's end; on a CPU, where
+    reading costs nothing, after every step."""
+
     def __init__(self, budget: Budget, eval_every: int, heatmap_every: int, val_batches: Callable[[], Iterable],
                  checkpoint: Path, tokens_per_step: int, flops_per_token: float,
                  on_eval: Callable[[int, float, float], bool] | None = None, stop: StopRequest | None = None,
-                 log: Callable[[str], None] | None = print, title: str = "", checkpoint_every: float = 0.0):
+                 log: Callable[[str], None] | None = print, title: str = "", checkpoint_every: float = 0.0,
+                 log_every: int = 20):
         self.budget, self.eval_every, self.heatmap_every = budget, eval_every, heatmap_every
         self.val_batches, self.checkpoint = val_batches, checkpoint
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.on_eval, self.stop, self.emit, self.title = on_eval, stop if stop is not None else StopRequest(), log, title
-        self.checkpoint_every = checkpoint_every
+        self.checkpoint_every, self.log_every = checkpoint_every, log_every
         self._last_save = time.monotonic()
+        self._last_read = 0  # global step of the last read-out
+        self._prepared = False
         self.curve: list[dict[str, float]] = []
         self.next_eval = 0
         self.ema: float | None = None
@@ -58,31 +74,34 @@ class BudgetCallback(L.Callback):
 
     # ------------------------------------------------------------------ hooks
     def on_train_start(self, trainer: L.Trainer, module: LMModule) -> None:
+        self._last_read = trainer.global_step
         if self.curve and self.budget.exhausted(trainer.global_step, module.clock.elapsed):
             # Killed after the last checkpoint of a finished run: nothing is left to train.
             self._finish(trainer, module, "completed", "")
             return
-        self._warm_up(trainer, module)
         if self.next_eval == 0:
             self._evaluate(trainer, module)
 
-    def on_train_batch_start(self, trainer, module: LMModule, batch, batch_idx) -> None:
-        module.clock.start()
+    def on_train_batch_start(self, trainer: L.Trainer, module: LMModule, batch, batch_idx) -> None:
+        if not self._prepared:  # on the first batch: its shapes are the ones a captured step replays
+            module.prepare_step(batch, log=self._say_once)
+            self._prepared = True
 
     def on_train_batch_end(self, trainer: L.Trainer, module: LMModule, outputs, batch, batch_idx) -> None:
-        dt = module.clock.stop()
-        step, seconds = trainer.global_step, module.clock.elapsed
-        self._log_step(trainer, module, step, seconds, dt)
-        if module.diverged:
-            self._finish(trainer, module, "diverged", module.diverged)
+        step = trainer.global_step
+        if not self._read_due(step, module):
             return
-        progress = self.budget.progress(step, seconds)
-        due = progress >= self.next_eval / self.eval_every
-        if due or self.budget.exhausted(step, seconds):
+        self._read_out(trainer, module)
+        if self.status != "running":
+            return
+        seconds = module.clock.elapsed
+        due = self.budget.progress(step, seconds) >= self.next_eval / self.eval_every
+        exhausted = self.budget.exhausted(step, seconds)
+        if due or exhausted:
             self._evaluate(trainer, module)
             if self.status != "running":
                 return
-        if self.budget.exhausted(step, seconds):
+        if exhausted:
             self._finish(trainer, module, "completed", "")
         elif self.stop:
             self._finish(trainer, module, "interrupted", f"stopped by {self.stop.signal}")
@@ -91,24 +110,68 @@ class BudgetCallback(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, module: LMModule) -> None:
         if self.status == "running":  # Lightning stopped first (max_steps): same end as our own check
-            if not self.curve or self.curve[-1]["step"] != trainer.global_step:
+            self._read_out(trainer, module)
+            if self.status == "running" and (not self.curve or self.curve[-1]["step"] != trainer.global_step):
                 self._evaluate(trainer, module)
             if self.status == "running":
                 self._finish(trainer, module, "completed", "")
 
     # ------------------------------------------------------------------ pieces
-    def _warm_up(self, trainer: L.Trainer, module: LMModule) -> None:
-        """One forward/backward outside the clock: compilation, autotuning and lazy allocation happen
-        here, not on an arm's budget. Gradients are dropped, so the weights are untouched."""
-        x, y = next(iter(self.val_batches()))
-        module.train()
-        with trainer.precision_plugin.forward_context():
-            loss = module.loss((x.to(module.device), y.to(module.device)))
-        loss.backward()
-        module.zero_grad(set_to_none=True)
+    def _read_due(self, step: int, module: LMModule) -> bool:
+        """Whether to read the device after this step: decided on the host, from the clock's estimate."""
+        clock = module.clock
+        if clock.free_readout or self.stop or step - self._last_read >= self.log_every:
+            return True
+        estimate = clock.estimate()
+        if self.budget.exhausted(step, estimate) or self.budget.progress(step, estimate) >= self.next_eval / self.eval_every:
+            return True
+        margin = (NEAR_END_STEPS + ESTIMATE_ERROR * clock.steps) * (clock.seconds_per_step or 0.0)
+        return self.budget.kind == "wallclock" and estimate + margin >= self.budget.seconds
+
+    def _read_out(self, trainer: L.Trainer, module: LMModule) -> None:
+        """Close the clock's segment, then log the steps since the last read-out; a step whose loss or
+        gradient norm is not finite ends the run as diverged (its update, and every later one, was skipped
+        on the device)."""
+        start = module.clock.elapsed
+        dt, n = module.clock.read()
+        rows = module.take_pending()
+        self._last_read = trainer.global_step
         if module.device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
+            self.peak_mem_gb = torch.cuda.max_memory_allocated(module.device) / 1e9
+        if n and dt > 0:
+            rate = n * self.tokens_per_step / dt
+            keep = 0.9 ** n  # the same smoothing per step whether steps are read one by one or in groups
+            self.throughput = rate if self.throughput is None else keep * self.throughput + (1 - keep) * rate
+        writer = _writer(trainer)
+        for i, (step, lr, loss, norm) in enumerate(rows):
+            if not (math.isfinite(loss) and math.isfinite(norm)):
+                what, value = ("training loss", loss) if not math.isfinite(loss) else ("gradient norm", norm)
+                module.last_loss = loss
+                module.diverged = f"{what} became {value} at step {step}"
+                self._finish(trainer, module, "diverged", module.diverged)
+                return
+            module.last_loss = loss
+            self.ema = loss if self.ema is None else EMA * self.ema + (1 - EMA) * loss
+            if writer is not None:
+                seconds = start + dt * (i + 1) / max(n, 1)  # a segment's steps share its time evenly
+                writer.add_scalar("train/loss", loss, step + 1)
+                writer.add_scalar("train/loss_per_hour", self.ema, int(round(seconds)), walltime=self.origin + seconds)
+                writer.add_scalar("train/lr", lr, step + 1)  # the rate this step used
+                writer.add_scalar("train/grad_norm", norm, step + 1)
+        if writer is not None and n and self.throughput and (not module.clock.free_readout or trainer.global_step % 10 == 0):
+            step = trainer.global_step
+            writer.add_scalar("perf/tokens_per_s", self.throughput, step)
+            writer.add_scalar("perf/step_ms", 1000 * self.tokens_per_step / self.throughput, step)
+            if module.device.type == "cuda":
+                writer.add_scalar("perf/peak_mem_gb", self.peak_mem_gb, step)
+                peak = _peak_flops(module.device)
+                if peak:
+                    writer.add_scalar("perf/mfu", self.throughput * self.flops_per_token / peak, step)
+
+    def _say_once(self, line: str) -> None:
+        if line not in _SAID and self.emit is not None:
+            _SAID.add(line)
+            self.emit(f"{self.title}{line}")
 
     def _evaluate(self, trainer: L.Trainer, module: LMModule) -> None:
         step, seconds = trainer.global_step, module.clock.elapsed
@@ -141,29 +204,6 @@ class BudgetCallback(L.Callback):
 
         # rows: routing sites (last = final), columns: sources (0 = embedding), one panel per head
         writer.add_image("routing/depth_weights", routing_image(weights), step, dataformats="HWC")
-
-    def _log_step(self, trainer: L.Trainer, module: LMModule, step: int, seconds: float, dt: float) -> None:
-        loss = module.last_loss
-        if dt > 0:
-            rate = self.tokens_per_step / dt
-            self.throughput = rate if self.throughput is None else 0.9 * self.throughput + 0.1 * rate
-        if module.device.type == "cuda":
-            self.peak_mem_gb = torch.cuda.max_memory_allocated() / 1e9
-        writer = _writer(trainer)
-        if writer is None or loss is None or not math.isfinite(loss):
-            return
-        self.ema = loss if self.ema is None else EMA * self.ema + (1 - EMA) * loss
-        writer.add_scalar("train/loss", loss, step)
-        writer.add_scalar("train/loss_per_hour", self.ema, int(round(seconds)), walltime=self.origin + seconds)
-        writer.add_scalar("train/lr", module.cfg.optim.lr * module.current_lr_factor(), step)
-        if step % 10 == 0 and self.throughput:
-            writer.add_scalar("perf/tokens_per_s", self.throughput, step)
-            writer.add_scalar("perf/step_ms", 1000 * self.tokens_per_step / self.throughput, step)
-            if module.device.type == "cuda":
-                writer.add_scalar("perf/peak_mem_gb", self.peak_mem_gb, step)
-                peak = _peak_flops(module.device)
-                if peak:
-                    writer.add_scalar("perf/mfu", self.throughput * self.flops_per_token / peak, step)
 
     def _remaining(self, step: int, seconds: float) -> str:
         if self.budget.kind == "steps":
@@ -198,6 +238,7 @@ class ProgressBar(L.Callback):
     def __init__(self, budget: Budget, budget_cb: BudgetCallback, desc: str = "train", position: int = 0):
         self.budget, self.cb, self.desc, self.position = budget, budget_cb, desc, position
         self.bar: tqdm | None = None
+        self._drawn = 0.0
 
     def on_train_start(self, trainer, module: LMModule) -> None:
         total = self.budget.steps if self.budget.kind == "steps" else round(self.budget.seconds)
@@ -207,19 +248,23 @@ class ProgressBar(L.Callback):
         self._update(trainer, module)
 
     def on_train_batch_end(self, trainer, module: LMModule, outputs, batch, batch_idx) -> None:
-        self._update(trainer, module)
+        if self.bar is not None and time.monotonic() - self._drawn >= 0.5:
+            self._update(trainer, module)
 
     def _update(self, trainer, module: LMModule) -> None:
+        """Host values only (the clock's estimate, the last loss read): drawing never waits for the GPU."""
         if self.bar is None:
             return
-        done = trainer.global_step if self.budget.kind == "steps" else min(module.clock.elapsed, self.budget.seconds)
+        self._drawn = time.monotonic()
+        seconds = module.clock.estimate()
+        done = trainer.global_step if self.budget.kind == "steps" else min(seconds, self.budget.seconds)
         self.bar.n = round(done) if self.budget.kind == "wallclock" else done
         post = {}
         if module.last_loss is not None:
             post["loss"] = f"{module.last_loss:.3f}"
         if self.cb.throughput:
             post["tok/s"] = f"{self.cb.throughput:,.0f}"
-        post["left"] = self.cb._remaining(trainer.global_step, module.clock.elapsed)
+        post["left"] = self.cb._remaining(trainer.global_step, seconds)
         self.bar.set_postfix(post, refresh=False)
         self.bar.refresh()
 

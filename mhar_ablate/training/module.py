@@ -1,61 +1,100 @@
-"""The LightningModule: a decoder, its next-token loss, AdamW with routing parameters undecayed, and a
-learning rate set from budget progress (steps or training seconds) before every optimiser step."""
+"""The LightningModule: a decoder, its next-token loss, and one optimiser step a batch (``step.TrainStep``:
+fused AdamW with routing parameters undecayed, clipping, the update skipped on the device when a step is
+not finite; captured in a CUDA graph on a GPU), with the learning rate set from budget progress (steps or
+training seconds) before every step.
+
+Optimisation is manual: the step is one object that also runs outside Lightning (``mhar-ablate bench
+model``), and on a GPU its update happens inside a replayed CUDA graph, which no Lightning hook can wrap.
+Nothing here reads a device value during training; the budget callback reads the steps' losses and the
+clock at its read-outs.
+"""
 
 from __future__ import annotations
 
-import math
+import contextlib
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..config import RunConfig
 from ..model import Decoder
-from .budget import Budget, TrainingClock
+from .budget import Budget, CudaEventTimer, HostTimer, TrainingClock
 from .schedule import lr_factor
+from .step import TrainStep, make_loss, make_optimizer
 
 
 class LMModule(L.LightningModule):
-    def __init__(self, cfg: RunConfig, vocab_size: int):
+    def __init__(self, cfg: RunConfig, vocab_size: int, autocast: torch.dtype | None = None):
         super().__init__()
+        self.automatic_optimization = False
         self.cfg = cfg
         torch.manual_seed(cfg.seed)  # the initial weights are a function of the seed only
         self.model = Decoder(cfg.model, cfg.residual, vocab_size)
         self.budget = Budget(cfg.train.budget, cfg.train.steps, cfg.train.time)
         self.clock = TrainingClock()
-        self._forward = self.model
+        self.autocast_dtype = autocast
+        self._loss = make_loss(self.model, None)
+        self.step: TrainStep | None = None  # built at the first batch, when device and optimiser exist
+        self.pending: list[tuple[int, float, Tensor]] = []  # (step, learning rate, [loss, norm]) not yet read
         self.last_loss: float | None = None
         self.diverged: str | None = None
+        self.prepare_seconds: float | None = None  # compile, warm-up and capture, outside the clock
 
     def configure_model(self) -> None:
-        if self.cfg.train.compile and self._forward is self.model:
-            self._forward = torch.compile(self.model)
+        if self.cfg.train.compile:
+            self._loss = make_loss(self.model, "default")
 
     def forward(self, idx: Tensor) -> Tensor:
-        return self._forward(idx)
+        return self.model(idx)
+
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype, cache_enabled=False)
 
     def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
-        x, y = batch
-        logits = self(x)
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
+        with self.autocast():
+            return self._loss(*batch)
 
-    def current_lr_factor(self) -> float:
-        return lr_factor(self.budget.progress(self.global_step, self.clock.elapsed), self.cfg.optim)
+    def lr_at(self, step: int, seconds: float) -> float:
+        return self.cfg.optim.lr * lr_factor(self.budget.progress(step, seconds), self.cfg.optim)
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
-        factor = self.current_lr_factor()
-        for group in self.optimizers().optimizer.param_groups:
-            group["lr"] = self.cfg.optim.lr * factor
-        loss = self.loss(batch)
-        value = loss.detach().item()
-        if not math.isfinite(value):
-            # Returning None skips backward and the step: a NaN must not reach the weights.
-            self.diverged = f"training loss became {value} at step {self.global_step}"
-            self.last_loss = value
-            return None
-        self.last_loss = value
-        return loss
+    # ------------------------------------------------------------------------------------------ training
+    def on_train_start(self) -> None:
+        cuda = self.device.type == "cuda"
+        self.clock.timer = CudaEventTimer() if cuda else HostTimer()
+        # Under several processes the gradients are reduced by Lightning's backward; a captured graph
+        # would hold one process's collective calls, which this package does not yet replay.
+        graph = self.cfg.train.cuda_graph and self.trainer.world_size == 1
+        self.step = TrainStep(self.model, self.optimizers().optimizer, self._loss, grad_clip=self.cfg.optim.grad_clip,
+                              autocast=self.autocast_dtype, device=self.device, cuda_graph=graph,
+                              backward=self.manual_backward)
+
+    def prepare_step(self, batch: tuple[Tensor, Tensor], log=None) -> None:
+        """Compile, warm up and capture the step outside the clock; the clock's first estimate of a
+        step's length is the one measured there."""
+        self.prepare_seconds = self.step.prepare(*batch, log=log)
+        if self.clock.seconds_per_step is None:
+            self.clock.seconds_per_step = self.step.seconds_per_step
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        step = self.global_step
+        self.clock.begin_step()
+        lr = self.lr_at(step, self.clock.estimate())
+        self.step.set_lr(lr)
+        self.pending.append((step, lr, self.step(*batch)))
+        self.clock.end_step()
+        _count_optimizer_step(self.trainer)
+
+    def take_pending(self) -> list[tuple[int, float, float, float]]:
+        """The steps since the last read-out as (step, learning rate, loss, gradient norm): one transfer."""
+        if not self.pending:
+            return []
+        values = torch.stack([s for _, _, s in self.pending]).tolist()
+        out = [(step, lr, loss, norm) for (step, lr, _), (loss, norm) in zip(self.pending, values)]
+        self.pending.clear()
+        return out
 
     @torch.no_grad()
     def evaluate(self, batches) -> float:
@@ -63,13 +102,11 @@ class LMModule(L.LightningModule):
         was_training = self.training
         self.eval()
         total, n = 0.0, 0
-        ctx = self.trainer.precision_plugin.forward_context() if self._trainer is not None else torch.no_grad()
         residual = self.model.residual
-        with ctx:
-            for i, (x, y) in enumerate(batches):
-                residual.record = i == 0
-                total += self.loss((x.to(self.device), y.to(self.device))).item() * x.shape[0]
-                n += x.shape[0]
+        for i, (x, y) in enumerate(batches):
+            residual.record = i == 0
+            total += self.loss((x.to(self.device), y.to(self.device))).item() * x.shape[0]
+            n += x.shape[0]
         residual.record = None
         self.train(was_training)
         return total / max(n, 1)
@@ -81,7 +118,13 @@ class LMModule(L.LightningModule):
         self.clock.elapsed = float(checkpoint.get("training_clock", 0.0))
 
     def configure_optimizers(self):
-        o = self.cfg.optim
-        groups = self.model.param_groups(o.weight_decay)
-        # Not fused=True: Lightning refuses gradient clipping with optimizers that unscale internally.
-        return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2))
+        return make_optimizer(self.model, self.cfg.optim, self.device)
+
+
+def _count_optimizer_step(trainer: L.Trainer) -> None:
+    """Lightning counts a manual-optimisation step when its own ``LightningOptimizer.step`` runs; this
+    step's update runs in ``TrainStep`` (inside a CUDA graph on a GPU), so the count that
+    ``trainer.global_step`` and checkpoints read is advanced here, as that method would."""
+    progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+    progress.increment_ready()
+    progress.increment_completed()

@@ -96,17 +96,27 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
 
 
 def flops_per_token(cfg: RunConfig, params: int) -> float:
-    """Approximate training FLOPs per token: 6 per parameter plus attention's quadratic term."""
+    """Training FLOPs per token as nanoGPT and PaLM count them: 6 per parameter, plus attention's scores
+    and weighted sum, 12 * layers * heads * head_dim * sequence length."""
     head_dim = cfg.model.head_dim or cfg.model.d_model // cfg.model.n_heads
-    attn = 6 * cfg.model.n_layers * cfg.model.n_heads * head_dim * cfg.model.seq_len
+    attn = 12 * cfg.model.n_layers * cfg.model.n_heads * head_dim * cfg.model.seq_len
     return 6.0 * params + attn
 
 
-def precision_for(cfg: RunConfig) -> str:
+def autocast_for(cfg: RunConfig) -> torch.dtype | None:
+    """The autocast dtype of the run's steps (weights stay fp32): bf16 on CUDA unless asked otherwise."""
     p = cfg.train.precision
     if p == "auto":
-        return "bf16-mixed" if torch.cuda.is_available() else "32-true"
-    return {"fp32": "32-true", "bf16": "bf16-mixed"}[p]
+        return torch.bfloat16 if torch.cuda.is_available() else None
+    return torch.bfloat16 if p == "bf16" else None
+
+
+def use_compile_cache(cache_dir: Path) -> None:
+    """Inductor's on-disk cache under the output's cache folder (unless the user named one), so that the
+    seeds of an arm, other worker processes and later reruns reuse what the first run compiled."""
+    import os
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cache_dir).resolve() / "inductor"))
 
 
 def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = False,
@@ -133,7 +143,12 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
     if not resume or not (run_dir / "config.yaml").is_file():
         write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    module = LMModule(cfg, vocab)
+    if cfg.train.compile:
+        use_compile_cache(cache_dir)
+        # A study compiles one model after another in this process: without a reset, Dynamo's in-memory
+        # cache would grow past its limit and fall back to eager; the on-disk cache keeps the reuse.
+        torch._dynamo.reset()
+    module = LMModule(cfg, vocab, autocast=autocast_for(cfg))
     params, base_params, overhead = routing_overhead(cfg.model, cfg.residual, vocab)
     if ckpt_path is not None:
         dm.start_step = int(read_checkpoint(ckpt_path)["global_step"])  # the data continue where the run stopped
@@ -143,13 +158,14 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
     budget_cb = BudgetCallback(budget, cfg.train.eval_every, cfg.train.heatmap_every, dm.val_dataloader, ckpt,
                                tokens_per_step, flops_per_token(cfg, params), on_eval=on_eval, stop=stop,
                                log=log if log_evals else None, title=title,
-                               checkpoint_every=cfg.train.checkpoint_every)
+                               checkpoint_every=cfg.train.checkpoint_every, log_every=cfg.train.log_every)
     bar = ProgressBar(budget, budget_cb, desc=title.strip(" :") or "train", position=position)
     logger = TensorBoardLogger(str(run_dir), name="tb", version="", default_hp_metric=False)
     trainer = L.Trainer(
-        accelerator="auto", devices=1, precision=precision_for(cfg), logger=logger, callbacks=[budget_cb, bar],
+        # Precision and clipping are the step's own (autocast inside TrainStep, clipping before its update).
+        accelerator="auto", devices=1, precision="32-true", logger=logger, callbacks=[budget_cb, bar],
         max_steps=cfg.train.steps if budget.kind == "steps" else -1, max_epochs=-1,
-        gradient_clip_val=cfg.optim.grad_clip or None, enable_checkpointing=False, enable_progress_bar=False,
+        enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1_000_000,
     )
     started = time.time()
@@ -180,6 +196,10 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
         "param_overhead_pct": overhead,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "routing_backend": _backend_name(cfg),
+        "compiled": cfg.train.compile,
+        "cuda_graph": bool(module.step and module.step.captured),  # which mode ran
+        "step_note": module.step.note if module.step else None,
+        "prepare_seconds": module.prepare_seconds,  # compile, warm-up and capture: outside the clock
         "wall_seconds": time.time() - started,
         "data": dm.describe(),
     }
@@ -192,7 +212,19 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
                                                "hparams/tokens_per_s": result["tokens_per_s"] or 0.0})
     logger.finalize("success")
     write_json(run_dir / "result.json", result)
+    _release(module, trainer)
     return result
+
+
+def _release(module: LMModule, trainer: L.Trainer) -> None:
+    """Free the run's GPU memory (a captured step holds its graph's memory pool) before a study's next run."""
+    import gc
+
+    module.step = None
+    trainer.strategy.teardown()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _backend_name(cfg: RunConfig) -> str:
