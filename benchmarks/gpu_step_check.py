@@ -129,23 +129,32 @@ def read_result(out: Path) -> dict | None:
 
 
 def stage_curves(rows: list[dict], args, work: Path, logs: Path) -> None:
+    """Captured against uncaptured, same seed: their difference must be within the run's own noise, measured
+    as the difference that a rounding-sized change makes (the learning rate times 1 + 1e-5), since a few
+    hundred bf16 steps amplify any change of summation order."""
     for name in ("baseline", "mhar-full-fused"):
         curves = {}
-        for graph in ("true", "false"):
-            out = work / f"curve-{name}-{graph}"
+        for label, extra in (("captured", ["train.cuda_graph=true"]), ("uncaptured", ["train.cuda_graph=false"]),
+                             ("nudged", ["train.cuda_graph=true", "optim.lr=0.00300003"])):
+            out = work / f"curve-{name}-{label}"
             rc = log_run(train_cmd(out, "small", VARIANTS[name], ["--budget", "steps", "--steps", "120",
-                                                                  f"train.cuda_graph={graph}", "train.eval_every=6",
-                                                                  "train.batch_size=8", "seed=0"]), logs / "curves.log")
-            r = read_result(out)
-            curves[graph] = (r or {}).get("curve", []), (r or {}).get("cuda_graph"), rc
-        (a, ga, ra), (b, gb, rb) = curves["true"], curves["false"]
-        diffs = [abs(p["val_loss"] - q["val_loss"]) / abs(q["val_loss"]) for p, q in zip(a, b)]
-        worst = max(diffs) if diffs else math.inf
+                                                                  "train.eval_every=6", "train.batch_size=8",
+                                                                  "seed=0", *extra]), logs / "curves.log")
+            r = read_result(out) or {}
+            curves[label] = r.get("curve", []), r.get("cuda_graph"), rc
+
+        def worst(a, b):
+            d = [abs(p["val_loss"] - q["val_loss"]) / abs(q["val_loss"]) for p, q in zip(a, b)]
+            return max(d) if d and len(a) == len(b) else math.inf
+
+        (a, ga, ra), (b, gb, rb), (c, gc, rc) = curves["captured"], curves["uncaptured"], curves["nudged"]
+        diff, noise = worst(a, b), worst(a, c)
         rows.append({"stage": "curves", "variant": name, "captured_mode": ga, "uncaptured_mode": gb,
-                     "points": len(diffs), "worst_rel_diff": worst, "first": a[:1] and a[0]["val_loss"],
+                     "points": len(a), "worst_rel_diff": diff, "noise_rel_diff": noise,
                      "last_captured": a and a[-1]["val_loss"], "last_uncaptured": b and b[-1]["val_loss"],
-                     "ok": ra == rb == 0 and ga is True and gb is False and len(a) == len(b) > 2
-                     and worst <= args.curve_tol})
+                     "ok": ra == rb == rc == 0 and ga is True and gb is False and len(a) > 2
+                     and diff <= max(3 * noise, args.curve_tol)})
+        save(rows, args)
         print(json.dumps(rows[-1]), flush=True)
 
 
@@ -177,7 +186,12 @@ def stage_speed(rows: list[dict], args, work: Path, logs: Path) -> None:
                          "train_cuda_graph": r.get("cuda_graph"), "train_prepare_s": r.get("prepare_seconds"),
                          "train_status": r.get("status"), "rc": rc,
                          "ok": bool(bt and tt and tt / bt >= 0.95 and r.get("cuda_graph"))})
+            save(rows, args)
             print(json.dumps(rows[-1]), flush=True)
+
+
+def save(rows: list[dict], args) -> None:
+    (Path(args.out) / "step_check.json").write_text(json.dumps(rows, indent=1) + "\n")
 
 
 def table(rows: list[dict]) -> str:
@@ -188,7 +202,8 @@ def table(rows: list[dict]) -> str:
                          f"{'ok' if r['ok'] else 'FAIL'} {' '.join(r['where'])}")
         elif r["stage"] == "curves":
             lines.append(f"curves {r['variant']:<18} {r['points']} evals, worst relative val-loss diff "
-                         f"{r['worst_rel_diff']:.2e} (last {r['last_captured']} vs {r['last_uncaptured']}): "
+                         f"{r['worst_rel_diff']:.2e}, noise {r.get('noise_rel_diff', math.nan):.2e} "
+                         f"(last {r['last_captured']} vs {r['last_uncaptured']}): "
                          f"{'ok' if r['ok'] else 'FAIL'}")
         else:
             f = lambda v: f"{v:,.0f}" if v else "-"  # noqa: E731
@@ -207,7 +222,8 @@ def main() -> int:
     p.add_argument("--stages", default="syncs,curves,speed")
     p.add_argument("--presets", default="small")
     p.add_argument("--compile", action="store_true", help="speed stage: compiled model (bench and train)")
-    p.add_argument("--curve-tol", type=float, default=0.01, help="relative val-loss tolerance (bf16 noise)")
+    p.add_argument("--curve-tol", type=float, default=2e-3,
+                   help="relative val-loss difference always accepted, whatever the measured noise")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

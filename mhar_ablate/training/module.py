@@ -61,6 +61,13 @@ class LMModule(L.LightningModule):
         return self.cfg.optim.lr * lr_factor(self.budget.progress(step, seconds), self.cfg.optim)
 
     # ------------------------------------------------------------------------------------------ training
+    def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
+        """Training batches stay in (pinned) host memory: the step copies them into its own device buffers
+        without waiting, where Lightning's copy would first allocate a device batch of its own."""
+        if self.trainer is not None and self.trainer.training:
+            return batch
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
     def on_train_start(self) -> None:
         cuda = self.device.type == "cuda"
         self.clock.timer = CudaEventTimer() if cuda else HostTimer()

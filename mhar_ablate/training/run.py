@@ -40,7 +40,8 @@ def quiet_lightning() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     for pattern in (".*does not have many workers.*", ".*val_dataloader.*", ".*validation_step.*",
                     ".*LeafSpec.*", ".*is an invalid version.*", ".*tensorboardX.*", ".*resuming from a checkpoint.*",
-                    ".*Starting from v1.9.0.*", ".*number of training batches.*", ".*returned `None`.*"):
+                    ".*Starting from v1.9.0.*", ".*number of training batches.*", ".*returned `None`.*",
+                    ".*overridden `transfer_batch_to_device`.*"):
         warnings.filterwarnings("ignore", message=pattern)
 
 

@@ -86,8 +86,9 @@ class TrainStep:
         self.lr.fill_(value)
 
     def __call__(self, x: Tensor, y: Tensor) -> Tensor:
+        """Train on ``x, y`` (on the device, or pinned host tensors, copied without waiting)."""
         if self.graph is None:
-            out = self._step(x, y)
+            out = self._step(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True))
             self.optimizer.zero_grad(set_to_none=True)
             return out
         sx, sy, out = self._static
@@ -119,6 +120,7 @@ class TrainStep:
         """Compile, warm up and (if asked) capture the step on the batch ``x, y``, then time a few steps;
         weights, optimiser state and gradients are restored afterwards. Returns the seconds it took."""
         started = time.perf_counter()
+        x, y = x.to(self.device), y.to(self.device)
         saved = self._snapshot()
         try:
             if self.want_graph and self.can_capture():
