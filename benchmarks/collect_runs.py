@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 KEYS = ("arm", "seed", "status", "step", "seconds", "tokens_per_s", "peak_mem_gb", "cuda_graph", "compiled",
-        "prepare_seconds", "final_val_loss", "device", "wall_seconds")
+        "prepare_seconds", "eval_seconds", "checkpoint_seconds", "final_val_loss", "device", "wall_seconds")
 
 
 def main(folder: str) -> None:

@@ -61,6 +61,8 @@ class BudgetCallback(L.Callback):
         self.reason = ""
         self.throughput: float | None = None  # tokens per training second, smoothed
         self.peak_mem_gb: float | None = None
+        self.eval_seconds = 0.0  # host time spent evaluating and checkpointing (outside the clock)
+        self.save_seconds = 0.0
 
     # ------------------------------------------------------------------ state carried by checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -175,7 +177,9 @@ class BudgetCallback(L.Callback):
 
     def _evaluate(self, trainer: L.Trainer, module: LMModule) -> None:
         step, seconds = trainer.global_step, module.clock.elapsed
+        t0 = time.perf_counter()
         loss = module.evaluate(self.val_batches())
+        self.eval_seconds += time.perf_counter() - t0
         self.next_eval = math.floor(self.budget.progress(step, seconds) * self.eval_every) + 1
         point = {"step": step, "seconds": seconds, "tokens": step * self.tokens_per_step, "val_loss": loss}
         self.curve.append(point)
@@ -212,6 +216,7 @@ class BudgetCallback(L.Callback):
 
     def _save(self, trainer: L.Trainer) -> None:
         """Checkpoint atomically: a kill mid-write leaves the previous checkpoint intact."""
+        t0 = time.perf_counter()
         self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.checkpoint.with_name(self.checkpoint.name + ".tmp")
         try:
@@ -222,6 +227,7 @@ class BudgetCallback(L.Callback):
             raise
         commit(tmp, self.checkpoint)
         self._last_save = time.monotonic()
+        self.save_seconds += time.perf_counter() - t0
 
     def _finish(self, trainer: L.Trainer, module: LMModule, status: str, reason: str) -> None:
         self.status, self.reason = status, reason

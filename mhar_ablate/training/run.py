@@ -201,6 +201,8 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
         "cuda_graph": bool(module.step and module.step.captured),  # which mode ran
         "step_note": module.step.note if module.step else None,
         "prepare_seconds": module.prepare_seconds,  # compile, warm-up and capture: outside the clock
+        "eval_seconds": budget_cb.eval_seconds,
+        "checkpoint_seconds": budget_cb.save_seconds,
         "wall_seconds": time.time() - started,
         "data": dm.describe(),
     }
