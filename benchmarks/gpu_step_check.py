@@ -88,34 +88,43 @@ def stage_syncs(rows: list[dict]) -> None:
             print(json.dumps(rows[-1]), flush=True)
 
 
-def stage_loop_syncs(rows: list[dict], work: Path) -> None:
-    """Synchronising calls in a whole `train` run (Lightning's loop included), by place: a place with about
-    one call per step stalls every step; read-outs and evaluations account for a few each."""
+def _sync_places(name: str, steps: int, work: Path) -> tuple[dict[str, int], dict]:
     import torch
 
     from mhar_ablate.config import build_config
     from mhar_ablate.training.run import train_run
 
+    cfg = build_config(overrides=dict(o.split("=", 1) for o in VARIANTS[name] + [
+        "model.preset=small", f"train.steps={steps}", "train.log_every=1000", "train.eval_every=2",
+        "train.batch_size=8", "train.eval_batches=1"]))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            r = train_run(cfg, work / f"loop-{name}-{steps}", work / "cache", log=lambda s: None)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    places: dict[str, int] = {}
+    for w in seen:
+        if "synchroniz" in str(w.message).lower():
+            key = f"{Path(w.filename).name}:{w.lineno}"
+            places[key] = places.get(key, 0) + 1
+    return places, r
+
+
+def stage_loop_syncs(rows: list[dict], work: Path) -> None:
+    """Synchronising calls in whole `train` runs (Lightning's loop included), by place, in a run of 40 and
+    one of 120 steps: a place whose count grows with the steps stalls during training; the others are the
+    fixed costs of a run (evaluations, the checkpoint, preparing the step, tearing down)."""
     for name in ("baseline", "mhar-full-fused"):
-        cfg = build_config(overrides=dict(o.split("=", 1) for o in VARIANTS[name] + [
-            "model.preset=small", "train.steps=80", "train.log_every=1000", "train.eval_every=2",
-            "train.batch_size=8", "train.eval_batches=1"]))
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                r = train_run(cfg, work / f"loop-{name}", work / "cache", log=lambda s: None)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        places: dict[str, int] = {}
-        for w in seen:
-            if "synchroniz" in str(w.message).lower():
-                key = f"{Path(w.filename).name}:{w.lineno}"
-                places[key] = places.get(key, 0) + 1
-        per_step = {k: v for k, v in places.items() if v >= cfg.train.steps // 2}
+        short, _ = _sync_places(name, 40, work)
+        long, r = _sync_places(name, 120, work)
+        growing = {k: (short.get(k, 0), v) for k, v in long.items() if v > short.get(k, 0)}
         rows.append({"stage": "syncs", "variant": f"{name} (train loop)", "captured": r.get("cuda_graph"),
-                     "syncs": sum(places.values()), "where": [f"{k} x{v}" for k, v in sorted(places.items(), key=lambda kv: -kv[1])][:8],
-                     "ok": not per_step and bool(r.get("cuda_graph"))})
+                     "syncs": sum(v for _, v in growing.values()),
+                     "where": [f"{k} {a}->{b}" for k, (a, b) in growing.items()]
+                     or [f"fixed: {k} x{v}" for k, v in sorted(long.items(), key=lambda kv: -kv[1])][:6],
+                     "ok": not growing and bool(r.get("cuda_graph"))})
         print(json.dumps(rows[-1]), flush=True)
 
 
@@ -198,7 +207,8 @@ def table(rows: list[dict]) -> str:
     lines = []
     for r in rows:
         if r["stage"] == "syncs":
-            lines.append(f"syncs  {r['variant']:<18} captured={r['captured']!s:<5} syncs in 5 steps: {r['syncs']:<3} "
+            what = "syncs growing with steps" if "loop" in r["variant"] else "syncs in 5 steps"
+            lines.append(f"syncs  {r['variant']:<18} captured={r['captured']!s:<5} {what}: {r['syncs']:<3} "
                          f"{'ok' if r['ok'] else 'FAIL'} {' '.join(r['where'])}")
         elif r["stage"] == "curves":
             lines.append(f"curves {r['variant']:<18} {r['points']} evals, worst relative val-loss diff "

@@ -61,7 +61,8 @@ class BudgetCallback(L.Callback):
         self.reason = ""
         self.throughput: float | None = None  # tokens per training second, smoothed
         self.peak_mem_gb: float | None = None
-        self.eval_seconds = 0.0  # host time spent evaluating and checkpointing (outside the clock)
+        # Seconds spent evaluating and checkpointing, outside the clock: what a run costs beyond its budget.
+        self.eval_seconds = 0.0
         self.save_seconds = 0.0
 
     # ------------------------------------------------------------------ state carried by checkpoints

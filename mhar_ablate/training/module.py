@@ -35,6 +35,9 @@ class LMModule(L.LightningModule):
         self.clock = TrainingClock()
         self.autocast_dtype = autocast
         self._loss = make_loss(self.model, None)
+        # Evaluation runs uncompiled: it is outside the clock, and compiling its no-grad graph (twice for a
+        # routed model: with and without recording depth weights) cost more than a short run's evaluations.
+        self._eval_loss = self._loss
         self.step: TrainStep | None = None  # built at the first batch, when device and optimiser exist
         self.pending: list[tuple[int, float, Tensor]] = []  # (step, learning rate, [loss, norm]) not yet read
         self.last_loss: float | None = None
@@ -52,10 +55,6 @@ class LMModule(L.LightningModule):
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype, cache_enabled=False)
-
-    def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
-        with self.autocast():
-            return self._loss(*batch)
 
     def lr_at(self, step: int, seconds: float) -> float:
         return self.cfg.optim.lr * lr_factor(self.budget.progress(step, seconds), self.cfg.optim)
@@ -112,7 +111,8 @@ class LMModule(L.LightningModule):
         residual = self.model.residual
         for i, (x, y) in enumerate(batches):
             residual.record = i == 0
-            total += self.loss((x.to(self.device), y.to(self.device))).item() * x.shape[0]
+            with self.autocast():
+                total += self._eval_loss(x.to(self.device), y.to(self.device)).item() * x.shape[0]
             n += x.shape[0]
         residual.record = None
         self.train(was_training)
