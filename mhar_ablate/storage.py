@@ -251,6 +251,7 @@ def owner_alive(attrs: dict[str, Any]) -> bool | None:
 
 
 UNOWNED_GRACE_S = 120.0  # a RUNNING trial that never named its worker: popped by a process killed at once
+COPY_GRACE_S = 10.0  # time a worker has to name itself on a retry copy it took (it does so at once)
 
 
 def reap_dead(study, retry=None) -> list[int]:
@@ -267,9 +268,12 @@ def reap_dead(study, retry=None) -> list[int]:
     reaped = []
     now = datetime.datetime.now()
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        age = (now - t.datetime_start).total_seconds() if t.datetime_start is not None else float("inf")
+        if "failed_trial" in t.system_attrs and age < COPY_GRACE_S:
+            continue  # a retry copy carries its dead predecessor's pid until the worker that took it writes its own
         alive = owner_alive(t.user_attrs)
-        if alive is None and "pid" not in t.user_attrs and t.datetime_start is not None:
-            alive = (now - t.datetime_start).total_seconds() < UNOWNED_GRACE_S
+        if alive is None and "pid" not in t.user_attrs:
+            alive = age < UNOWNED_GRACE_S
         if alive is not False:
             continue
         try:

@@ -253,9 +253,9 @@ def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = _log) -> dic
     # starting on the same output folder (SQLite's schema creation is not safe against that).
     with st.output_lock(sr.output):
         url = choose_storage(sr, len(slots))
-        if st.kind(url) == "sqlite":
+        storage = open_storage(url, create=True, heartbeat=sr.heartbeat)  # a missing folder or corrupt file: one line
+        if st.kind(url) == "sqlite":  # one process at a time writes an SQLite study: a second one is told it is busy
             held = st.hold_exclusive(Path(url[len("sqlite:///"):] + ".lock"), f"study {sr.key}")
-        storage = open_storage(url, create=True, heartbeat=sr.heartbeat)
         try:
             study = optuna.create_study(study_name=sr.key, storage=storage, direction="minimize", load_if_exists=True,
                                         sampler=optuna.samplers.RandomSampler(seed=0), pruner=make_pruner(sr))

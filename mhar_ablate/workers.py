@@ -271,7 +271,7 @@ def work(sr, study, configs, tuned: dict[str, float], slot: Slot, log: Callable[
         if local:
             reaped = st.reap_dead(study)
             if reaped:
-                log(f"trial(s) {', '.join(map(str, reaped))} of a worker that died are queued again, to resume "
+                log(f"trial(s) {', '.join(map(str, reaped))} of a worker that died are queued again, to be resumed "
                     "from their checkpoints")
         else:
             st.fail_stale(study)  # Optuna's heartbeat check; optimize() runs it too before each trial
