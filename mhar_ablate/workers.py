@@ -22,7 +22,6 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 from .errors import UsageError
