@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     _budget_args(t)
     t.add_argument("--preset", help="model preset from configs/ (same as model.preset=...)")
     t.add_argument("--resume", metavar="RUN", help="continue this run folder from its checkpoint")
+    t.add_argument("--devices", type=int, metavar="N", help="processes for the run through Lightning DDP: GPUs, "
+                   "or CPU processes with gloo (same as train.devices=N; train.batch_size stays the global batch)")
     _common(t)
     t.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. residual.heads=4")
 
@@ -53,7 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tune", choices=("lr",), help="tune this hyperparameter per arm with TPE before the grid")
     s.add_argument("--trials", type=int, default=6, metavar="N", help="TPE trials per arm for --tune (default 6)")
     s.add_argument("--prune", action="store_true", help="stop hopeless trials early (median pruner)")
-    s.add_argument("--storage", metavar="URL", help="Optuna storage URL (default: SQLite in --output)")
+    s.add_argument("--storage", metavar="URL", help="Optuna storage URL, e.g. postgresql://user@host/db for workers on "
+                   "several machines (default: SQLite in --output for one worker, a journal file there for several)")
+    s.add_argument("--workers", default="1", metavar="N|gpus", help="worker processes on this machine (default 1); "
+                   "gpus: one per visible GPU (per --devices GPUs), each pinned to its GPUs; on a CPU each gets its own cores")
+    s.add_argument("--devices", type=int, metavar="N", help="processes per trial through Lightning DDP (GPUs, or CPU "
+                   "processes with gloo); same as train.devices=N")
+    s.add_argument("--trials-per-gpu", type=int, default=1, metavar="K", help="let K trials share one GPU "
+                   "(--budget steps only: under a wall-clock budget every trial has its device to itself)")
+    s.add_argument("--heartbeat", type=int, default=30, metavar="S", help="with a database server: seconds between a "
+                   "running trial's heartbeats; a trial silent for 3 of them is resumed by another worker (default 30)")
     _common(s)
     s.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every arm")
 
@@ -94,6 +105,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, str]:
         o["train.steps"] = str(args.steps)
     if getattr(args, "time", None) is not None:
         o["train.time"] = str(parse_duration(args.time))
+    if getattr(args, "devices", None) is not None:
+        o["train.devices"] = str(args.devices)
     return o
 
 
@@ -153,15 +166,22 @@ def cmd_study(args: argparse.Namespace) -> int:
         raise UsageError(f"--trials must be at least 1, got {args.trials}")
     if args.storage is None and Path(args.output).exists() and not Path(args.output).is_dir():
         raise UsageError(f"--output {args.output} is a file, not a folder")
+    if args.heartbeat < 1:
+        raise UsageError(f"--heartbeat must be at least 1 second, got {args.heartbeat}")
     overrides = _overrides(args)
     overrides.pop("train.budget", None)
     sr = StudyRun(definition, budget, Path(args.output), overrides, args.seeds or definition.seeds,
-                  storage=args.storage, prune=args.prune, tune=args.tune, tune_trials=args.trials)
+                  storage=args.storage, prune=args.prune, tune=args.tune, tune_trials=args.trials,
+                  workers=args.workers, trials_per_gpu=args.trials_per_gpu, heartbeat=args.heartbeat)
     with stop_on_signals() as stop:
         summary = run_study(sr, stop=stop)
     if summary["interrupted"]:
         print(f"interrupted: rerun `mhar-ablate study {args.name} --budget {budget}` to resume", file=sys.stderr)
         return 130
+    if summary.get("workers_died") and summary["done"] < len(sr.grid()):
+        print(f"error: {summary['workers_died']} worker(s) died and {len(sr.grid()) - summary['done']} grid point(s) are "
+              f"unfinished: rerun `mhar-ablate study {args.name} --budget {budget}` to resume them", file=sys.stderr)
+        return 1
     from .export import build_table, render
     from .study import load_studies
 
@@ -233,7 +253,8 @@ def _attach_negative_values(argv: list[str]) -> list[str]:
     the user hears what is wrong with the value itself."""
     out: list[str] = []
     for a in argv:
-        if out and out[-1] in ("--time", "--steps", "--seeds", "--trials") and re.match(r"-[0-9.]", a):
+        if out and out[-1] in ("--time", "--steps", "--seeds", "--trials", "--workers", "--devices", "--trials-per-gpu",
+                               "--heartbeat") and re.match(r"-[0-9.]", a):
             out[-1] = f"{out[-1]}={a}"
         else:
             out.append(a)

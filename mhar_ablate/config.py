@@ -230,6 +230,9 @@ class TrainConfig:
     # points besides evaluations where the host waits for the GPU.
     log_every: int = 20
     threads: int | None = None  # CPU threads for torch; None: torch's default
+    # Processes (GPUs, or CPU process groups) per run, through Lightning's DDP. batch_size stays the
+    # global batch (each rank takes batch_size / devices rows of it), so steps mean the same at any N.
+    devices: int = 1
 
     def validate(self) -> None:
         if self.budget not in ("steps", "wallclock"):
@@ -244,6 +247,11 @@ class TrainConfig:
             raise UsageError(f"train.checkpoint_every must be >= 0 seconds, got {self.checkpoint_every}")
         if self.eval_every <= 0 or self.eval_batches <= 0 or self.heatmap_every <= 0 or self.log_every <= 0:
             raise UsageError("train.eval_every, train.eval_batches, train.heatmap_every and train.log_every must be positive")
+        if self.devices < 1:
+            raise UsageError(f"train.devices must be at least 1, got {self.devices}")
+        if self.batch_size % self.devices:
+            raise UsageError(f"train.batch_size={self.batch_size} must be divisible by train.devices={self.devices} "
+                             "(it is the global batch, split evenly between the processes)")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise UsageError(f"train.precision must be auto, fp32 or bf16, got {self.precision!r}")
 

@@ -61,6 +61,7 @@ class StudyTable:
     curve_key: str | None = None
     device: str = ""
     backend_note: str = ""
+    shared_device: bool = False  # some trials shared a GPU (--trials-per-gpu): time and throughput are not clean
 
 
 def _num(v: Any) -> float | None:
@@ -174,9 +175,18 @@ def build_table(study) -> StudyTable:
     if devices == ["cpu"] and backends:
         note = (f"Timed on the CPU with the {'/'.join(backends)} router: wall-clock comparisons measure PyTorch on the "
                 "CPU, not the fused GPU kernel.")
+    shared = bool(attrs.get("shared_device")) or any(t.user_attrs.get("shared_device") for t in study.get_trials(deepcopy=False)
+                                                     if t.state.name == "COMPLETE")
+    if shared:
+        note = (note + " " if note else "") + SHARED_NOTE
     return StudyTable(attrs.get("study", study.study_name), attrs.get("budget", ""), attrs.get("description", ""),
                       base_name, at_step, at_seconds, rows, missing, trials, attrs.get("curve_values", {}),
-                      attrs.get("curve"), ", ".join(devices), note)
+                      attrs.get("curve"), ", ".join(devices), note, shared)
+
+
+SHARED_NOTE = ("† Measured on a shared device: trials ran several at a time on one GPU (--trials-per-gpu), so the "
+               "equal-time and throughput columns measure the sharing too; the equal-step columns are unaffected.")
+SHARED_COLUMNS = (4, 5, 6)  # val loss @ T, its Δ, throughput: the columns that depend on speed
 
 
 # --------------------------------------------------------------------------- rendering
@@ -214,7 +224,8 @@ def _cells(table: StudyTable, row: dict[str, Any], bold) -> list[str]:
 
 
 def _headers(table: StudyTable) -> list[str]:
-    return [h.format(steps=int(table.at_step), time=_fmt_time(table.at_seconds)) for h in HEADERS]
+    heads = [h.format(steps=int(table.at_step), time=_fmt_time(table.at_seconds)) for h in HEADERS]
+    return [h + " †" if table.shared_device and i in SHARED_COLUMNS else h for i, h in enumerate(heads)]
 
 
 def render(table: StudyTable, fmt: str) -> str:
@@ -231,7 +242,7 @@ def render(table: StudyTable, fmt: str) -> str:
             lines.append(f"Missing trials: {', '.join(table.missing)}.")
         return "\n".join(lines) + "\n"
     if fmt == "latex":
-        esc = lambda s: s.replace("%", r"\%").replace("_", r"\_").replace("±", r"$\pm$").replace("×", r"$\times$").replace("Δ", r"$\Delta$").replace("–", "--")
+        esc = lambda s: s.replace("%", r"\%").replace("_", r"\_").replace("±", r"$\pm$").replace("×", r"$\times$").replace("Δ", r"$\Delta$").replace("–", "--").replace("†", r"$^\dagger$")
         head = [esc(h) for h in _headers(table)]
         lines = [r"\begin{table}[t]", r"\centering", r"\small", r"\begin{tabular}{l" + "r" * (len(head) - 1) + "}",
                  r"\toprule", " & ".join(head) + r" \\", r"\midrule"]
@@ -246,13 +257,15 @@ def render(table: StudyTable, fmt: str) -> str:
         w = csv.writer(buf)
         w.writerow(["arm", "n", "diverged", "loss_at_steps_mean", "loss_at_steps_std", "delta_at_steps", "delta_at_steps_ci95",
                     "loss_at_time_mean", "loss_at_time_std", "delta_at_time", "delta_at_time_ci95", "throughput_vs_baseline",
-                    "tokens_per_s", "peak_mem_gb", "param_overhead_pct", "best_at_steps", "best_at_time", "at_step", "at_seconds"])
+                    "tokens_per_s", "peak_mem_gb", "param_overhead_pct", "best_at_steps", "best_at_time", "at_step", "at_seconds",
+                    "shared_device"])
         for r in table.rows:
             ls, lt = r.get("loss_at_steps", (None, None)), r.get("loss_at_time", (None, None))
             ds, dt = r.get("delta_at_steps") or (None, None, 0), r.get("delta_at_time") or (None, None, 0)
             w.writerow([r["arm"], r["n"], r["diverged"], *ls, ds[0], ds[1], *lt, dt[0], dt[1], r.get("throughput_vs_baseline"),
                         r.get("tokens_per_s"), r.get("peak_mem_gb"), r.get("param_overhead_pct"),
-                        r.get("best_loss_at_steps", False), r.get("best_loss_at_time", False), table.at_step, table.at_seconds])
+                        r.get("best_loss_at_steps", False), r.get("best_loss_at_time", False), table.at_step, table.at_seconds,
+                        table.shared_device])
         return buf.getvalue()
     if fmt == "json":
         def clean(v):
@@ -263,7 +276,7 @@ def render(table: StudyTable, fmt: str) -> str:
             return v
         return json.dumps({"study": table.name, "budget": table.budget, "description": table.description,
                            "baseline": table.baseline, "at_step": table.at_step, "at_seconds": table.at_seconds,
-                           "missing": table.missing, "note": table.backend_note,
+                           "missing": table.missing, "note": table.backend_note, "shared_device": table.shared_device,
                            "rows": [{k: clean(v) for k, v in r.items()} for r in table.rows]}, indent=2) + "\n"
     raise UsageError(f"unknown format {fmt!r}: choose one of {', '.join(FORMATS)}")
 

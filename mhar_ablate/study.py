@@ -1,10 +1,13 @@
 """Studies: a study definition (``studies/NAME.yaml``) and the Optuna driver that runs its arms × seeds
 grid under one budget, resumably.
 
-Storage is one Optuna database per output folder (SQLite by default, any Optuna URL with ``--storage``),
-with one Optuna study per (name, budget). Each grid point trains into a fixed folder
-``<output>/studies/<name>/<budget>/<arm>-s<seed>/``, so a rerun after a crash or a kill continues that
-point from its checkpoint; finished points (completed, diverged or pruned) are never trained again.
+Storage (``storage.py``): SQLite in the output folder for one worker, a journal file there for several
+workers on one machine, or a database server (``--storage postgresql://...``) for workers on several
+machines; one Optuna study per (name, budget). The grid is queued as waiting trials and the workers take
+them through ``study.optimize`` (``workers.py``). Each grid point trains into a fixed folder
+``<output>/studies/<name>/<budget>/<arm>-s<seed>/``, so a rerun after a crash or a kill, or another worker
+after a worker died, continues that point from its checkpoint; finished points (completed, diverged or
+pruned) are never trained again.
 """
 
 from __future__ import annotations
@@ -12,14 +15,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import sys
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from . import __version__
+from . import storage as st
 from .config import RunConfig, build_config, find_resource, load_yaml, parse_duration
 from .errors import UsageError
 
@@ -97,6 +99,9 @@ class StudyRun:
     prune: bool = False
     tune: str | None = None
     tune_trials: int = 0
+    workers: str | int = 1  # a number, or "gpus": one per visible GPU (per --devices GPUs)
+    trials_per_gpu: int = 1
+    heartbeat: int = 30  # seconds between a server-stored trial's heartbeats (three missed: it is retried)
 
     @property
     def key(self) -> str:
@@ -117,7 +122,9 @@ class StudyRun:
 
     def fingerprint(self, configs: dict[tuple[str, int], RunConfig]) -> str:
         """Identity of what the study measures: the arms' configs minus the seed."""
-        per_arm = {arm: {k: v for k, v in cfg.flat().items() if k != "seed"} for (arm, seed), cfg in configs.items() if seed == 0}
+        # train.devices=1 is left out so that studies from before the key existed keep their identity.
+        per_arm = {arm: {k: v for k, v in cfg.flat().items() if k != "seed" and (k, v) != ("train.devices", 1)}
+                   for (arm, seed), cfg in configs.items() if seed == 0}
         extra = {"tune": self.tune}
         return hashlib.sha256(json.dumps([per_arm, extra], sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -128,7 +135,7 @@ class StudyRun:
 def storage_url(output: Path, storage: str | None) -> str:
     if storage:
         return storage
-    return f"sqlite:///{(output / 'studies.db').resolve()}"
+    return st.sqlite_url(output)
 
 
 def redact(url: str) -> str:
@@ -138,12 +145,15 @@ def redact(url: str) -> str:
     return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
 
 
-def open_storage(url: str, create: bool):
-    """An Optuna storage, or one clear UsageError for a missing folder, a corrupt file or a dead server."""
+def open_storage(url: str, create: bool, heartbeat: int | None = None):
+    """An Optuna storage, or one clear UsageError for a missing folder, a corrupt file or a dead server.
+    ``heartbeat`` (seconds) applies to database servers only: see ``storage.server_kwargs``."""
     import optuna
     from sqlalchemy.exc import SQLAlchemyError
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    if st.kind(url) == "journal":
+        return st.open_journal(url, create)
     if url.startswith("sqlite:///"):
         path = Path(url[len("sqlite:///"):])
         if not create and not path.is_file():
@@ -155,13 +165,11 @@ def open_storage(url: str, create: bool):
                 if f.read(16) != b"SQLite format 3\x00":
                     raise UsageError(f"{path} is not an SQLite database (corrupt or not written by mhar-ablate)")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            kwargs = {} if url.startswith("sqlite") else {"heartbeat_interval": 60, "grace_period": 180}
-            return optuna.storages.RDBStorage(url, **kwargs)
+        return st.create_rdb(url, **(st.server_kwargs(heartbeat) if st.kind(url) == "server" else {}))
     except (SQLAlchemyError, RuntimeError, ValueError, ImportError, OSError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UsageError(f"cannot open study storage {redact(url)}: {redact(msg)}") from None
+        hint = " (pip install 'mhar-ablate[postgres]' brings the PostgreSQL driver)" if isinstance(e, ImportError) else ""
+        raise UsageError(f"cannot open study storage {redact(url)}: {redact(msg)}{hint}") from None
 
 
 def check_compatible(study, fingerprint: str | None, key: str) -> None:
@@ -175,43 +183,47 @@ def check_compatible(study, fingerprint: str | None, key: str) -> None:
                          "rerun with the same options, or use another --output folder")
 
 
-def _pid_alive(pid: int) -> bool:
+def _has_study(url: str, key: str) -> bool:
+    import optuna
+
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        return key in {s.study_name for s in optuna.get_all_study_summaries(open_storage(url, create=False),
+                                                                             include_best_trial=False)}
+    except UsageError:
+        raise
+    except Exception as e:
+        raise UsageError(f"cannot read study storage {redact(url)}: {redact(str(e).splitlines()[0])}") from None
 
 
-def fail_abandoned(study) -> int:
-    """Trials left RUNNING by a process of this host that no longer exists were killed: mark them
-    failed so the grid gives their point out again (other hosts' trials expire by heartbeat)."""
-    from optuna.trial import TrialState
+def find_storage(output: Path, key: str, given: str | None) -> str | None:
+    """The storage that holds study ``key``: ``--storage`` when given; else the one recorded in the
+    output folder when the study was created; else a local SQLite file or journal that has it."""
+    if given:
+        return given
+    recorded = st.recorded(output, key)
+    if recorded:
+        return recorded
+    for url in st.local_candidates(output):
+        if _has_study(url, key):
+            return url
+    return None
 
-    host, n = socket.gethostname(), 0
-    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        if t.user_attrs.get("host") == host and t.user_attrs.get("pid") != os.getpid() and not _pid_alive(t.user_attrs.get("pid", -1)):
-            study._storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
-            n += 1
-    return n
+
+def choose_storage(sr: "StudyRun", workers: int) -> str:
+    """Where this run's study lives: the existing one if any, else SQLite for one worker and the
+    journal for several (SQLite serves one writer at a time). Called under the output lock."""
+    url = find_storage(sr.output, sr.key, sr.storage)
+    if url is None:
+        url = st.journal_url(sr.output) if workers > 1 else st.sqlite_url(sr.output)
+    if workers > 1 and st.kind(url) == "sqlite":
+        where = "--storage" if sr.storage else f"{sr.output / st.SQLITE_FILE}"
+        raise UsageError(f"study {sr.key} is in SQLite ({where}), which one worker writes at a time: run it without "
+                         "--workers, or give --storage postgresql://... (several workers on one machine use a journal "
+                         "file when the study is new)")
+    return url
 
 
 # --------------------------------------------------------------------------- the driver
-
-
-def _grid_sampler(search_space: dict[str, list[Any]]):
-    """Optuna's GridSampler, minus its habit of calling ``study.stop()`` once the grid is used up:
-    that only works inside ``study.optimize``, and this driver asks and tells itself so that it can
-    resume a point's checkpoint and record a diverged run as a result."""
-    import optuna
-
-    class Grid(optuna.samplers.GridSampler):
-        def after_trial(self, study, trial, state, values) -> None:
-            return None
-
-    return Grid(search_space, seed=0)
 
 
 def _log(msg: str) -> None:
@@ -222,110 +234,93 @@ def _log(msg: str) -> None:
 
 
 def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = _log) -> dict[str, Any]:
-    """Run every missing grid point; return a summary {done, ran, diverged, failed, interrupted}."""
+    """Run every missing grid point with ``sr.workers`` workers; return a summary
+    {done, ran, diverged, pruned, interrupted, folder}."""
     import optuna
-    from optuna.trial import TrialState
     from tqdm.auto import tqdm
 
+    from .workers import make_pruner, plan, queue_grid, run_workers
+
     configs = sr.configs()  # validates every arm before any training
-    corpora = check_data(configs.values(), sr.output / "cache")
+    devices = next(iter(configs.values())).train.devices
+    slots = plan(sr.workers, devices, sr.trials_per_gpu, sr.budget)  # fits the machine, or one line why not
+    corpora = check_data(configs.values(), sr.output / "cache")  # cached once here, before any worker starts
     fingerprint = sr.fingerprint(configs)
     sr.output.mkdir(parents=True, exist_ok=True)
-    url = storage_url(sr.output, sr.storage)
-    storage = open_storage(url, create=True)
     grid = sr.grid()
-    search_space = {"arm": list(sr.definition.arms), "seed": list(range(sr.seeds))}
+    held = None
+    # Finding or creating the study, its tables and its queue must not interleave with another command
+    # starting on the same output folder (SQLite's schema creation is not safe against that).
+    with st.output_lock(sr.output):
+        url = choose_storage(sr, len(slots))
+        storage = open_storage(url, create=True, heartbeat=sr.heartbeat)  # a missing folder or corrupt file: one line
+        if st.kind(url) == "sqlite":  # one process at a time writes an SQLite study: a second one is told it is busy
+            held = st.hold_exclusive(Path(url[len("sqlite:///"):] + ".lock"), f"study {sr.key}")
+        try:
+            study = optuna.create_study(study_name=sr.key, storage=storage, direction="minimize", load_if_exists=True,
+                                        sampler=optuna.samplers.RandomSampler(seed=0), pruner=make_pruner(sr))
+        except Exception as e:  # corrupt tables surface here as SQLAlchemy errors of many kinds
+            raise UsageError(f"cannot use study storage {redact(url)}: {redact(str(e).splitlines()[0])}") from None
+        check_compatible(study, fingerprint, sr.key)
+        for k, v in {"format": STUDY_FORMAT, "version": __version__, "fingerprint": fingerprint, "study": sr.definition.name,
+                     "budget": sr.budget, "arms": list(sr.definition.arms), "seeds": sr.seeds,
+                     "baseline": sr.definition.baseline, "curve": sr.definition.curve,
+                     "description": sr.definition.description, "folder": str(sr.folder),
+                     "curve_values": _curve_values(sr.definition, configs)}.items():
+            if study.user_attrs.get(k) != v:
+                study.set_user_attr(k, v)
+        if any(s.shared for s in slots) and not study.user_attrs.get("shared_device"):
+            study.set_user_attr("shared_device", True)
+        st.record(sr.output, sr.key, url)
+        if st.is_local(url):
+            reaped = st.reap_dead(study)
+            if reaped:
+                log(f"{len(reaped)} trial(s) of an earlier, killed run will be resumed from their checkpoints")
+        else:
+            st.fail_stale(study)
+        queue_grid(study, grid)
+
     try:
-        study = optuna.create_study(study_name=sr.key, storage=storage, direction="minimize", load_if_exists=True,
-                                    sampler=_grid_sampler(search_space),
-                                    pruner=optuna.pruners.MedianPruner(n_startup_trials=len(sr.definition.arms), n_warmup_steps=0)
-                                    if sr.prune else optuna.pruners.NopPruner())
-    except Exception as e:  # corrupt tables surface here as SQLAlchemy errors of many kinds
-        raise UsageError(f"cannot use study storage {redact(url)}: {redact(str(e).splitlines()[0])}") from None
-    check_compatible(study, fingerprint, sr.key)
-    for k, v in {"format": STUDY_FORMAT, "version": __version__, "fingerprint": fingerprint, "study": sr.definition.name,
-                 "budget": sr.budget, "arms": list(sr.definition.arms), "seeds": sr.seeds,
-                 "baseline": sr.definition.baseline, "curve": sr.definition.curve,
-                 "description": sr.definition.description, "folder": str(sr.folder),
-                 "curve_values": _curve_values(sr.definition, configs)}.items():
-        if study.user_attrs.get(k) != v:
-            study.set_user_attr(k, v)
-    abandoned = fail_abandoned(study)
-    if abandoned:
-        log(f"{abandoned} trial(s) of an earlier, killed run will be resumed from their checkpoints")
+        tuned = tune_arms(sr, configs, storage, log, stop, url) if sr.tune else {}
 
-    tuned = tune_arms(sr, configs, storage, log, stop) if sr.tune else {}
+        def finished() -> set[str]:
+            from .workers import trial_point
 
-    def finished() -> set[tuple[str, int]]:
-        return {(t.params["arm"], t.params["seed"]) for t in study.get_trials(deepcopy=False)
-                if t.state.name in DONE_STATES and "arm" in t.params}
+            return {trial_point(t) for t in study.get_trials(deepcopy=False) if t.state.name in DONE_STATES
+                    and trial_point(t)}
 
-    done = finished()
-    todo = [p for p in grid if p not in done]
-    summary = {"study": sr.key, "done": len(done), "ran": 0, "diverged": 0, "pruned": 0, "interrupted": False,
-               "folder": str(sr.folder)}
-    if not todo:
-        log(f"study {sr.key}: all {len(grid)} grid points are finished; nothing to train")
+        done = finished()
+        summary = {"study": sr.key, "done": len(done), "ran": 0, "diverged": 0, "pruned": 0, "interrupted": False,
+                   "folder": str(sr.folder), "storage": redact(url), "workers": len(slots)}
+        if len(done) >= len(grid):
+            log(f"study {sr.key}: all {len(grid)} grid points are finished; nothing to train")
+            return summary
+        first = configs[grid[0]]
+        log(f"study {sr.key}: {len(grid) - len(done)} of {len(grid)} grid points to train "
+            f"({len(sr.definition.arms)} arms x {sr.seeds} seeds, {first.train.budget} budget: "
+            f"{_budget_text(first)}); storage {redact(url)}"
+            + (f"; {len(slots)} workers" if len(slots) > 1 else "") + (f", {devices} devices per trial" if devices > 1 else ""))
+        for text in corpora:
+            log(f"data: {text}")
+        bar = tqdm(total=len(grid), initial=len(done), desc=sr.key, unit="trial", position=0, dynamic_ncols=True,
+                   file=sys.stderr, disable=len(slots) > 1 or not sys.stderr.isatty())
+
+        def log_and_count(msg: str) -> None:
+            log(msg)
+            if msg.startswith("[") and ("completed" in msg or "diverged" in msg or "pruned" in msg):
+                bar.update(1)
+
+        try:
+            ran = run_workers(sr, url, study, configs, tuned, slots, log_and_count, stop)
+        finally:
+            bar.close()
+        summary.update({k: ran[k] for k in ("ran", "diverged", "pruned", "interrupted")})
+        summary["done"] = len(finished())
+        summary["workers_died"] = ran.get("workers_died", 0)
         return summary
-    log(f"study {sr.key}: {len(todo)} of {len(grid)} grid points to train "
-        f"({len(sr.definition.arms)} arms x {sr.seeds} seeds, {configs[todo[0]].train.budget} budget: "
-        f"{_budget_text(configs[todo[0]])}); storage {redact(url)}")
-    for text in corpora:
-        log(f"data: {text}")
-    from .training.run import quiet_lightning, train_run  # Lightning loads only when something trains
-
-    quiet_lightning()
-    bar = tqdm(total=len(grid), initial=len(done), desc=sr.key, unit="trial", position=0, dynamic_ncols=True,
-               file=sys.stderr, disable=not sys.stderr.isatty())
-    cache = sr.output / "cache"
-    try:
-        while True:
-            done = finished()
-            if len(done) >= len(grid):
-                break
-            trial = study.ask()
-            arm = trial.suggest_categorical("arm", search_space["arm"])
-            seed = trial.suggest_categorical("seed", search_space["seed"])
-            if (arm, seed) in done:  # another worker finished it meanwhile
-                study.tell(trial, state=TrialState.FAIL)
-                continue
-            cfg = configs[(arm, seed)]
-            if arm in tuned:
-                cfg.optim.lr = tuned[arm]
-            run_dir = sr.folder / f"{arm.replace(':', '')}-s{seed}"
-            for k, v in {"host": socket.gethostname(), "pid": os.getpid(), "run_dir": str(run_dir), "lr": cfg.optim.lr}.items():
-                trial.set_user_attr(k, v)
-            on_eval = _pruning_reporter(trial, sr.budget) if sr.prune else None
-            title = f"[{len(done) + 1}/{len(grid)}] {arm} s{seed}: "
-            try:
-                result = train_run(cfg, run_dir, cache, resume=True, on_eval=on_eval, log=log, title=title,
-                                   stop=stop, position=1, log_evals=False)
-            except BaseException:
-                study.tell(trial, state=TrialState.FAIL)
-                raise
-            _record(trial, result)
-            status = result["status"]
-            if status == "interrupted":
-                study.tell(trial, state=TrialState.FAIL)  # rerun resumes it from its checkpoint
-                summary["interrupted"] = True
-                log(f"{title}interrupted; rerun the same command to resume from the checkpoint")
-                break
-            if status == "pruned":
-                study.tell(trial, state=TrialState.PRUNED)
-                summary["pruned"] += 1
-            else:
-                # A diverged run is a result (its loss is +inf), not a crash: it is never trained again.
-                value = result["final_val_loss"] if status == "completed" else float("inf")
-                study.tell(trial, value)
-                summary["diverged"] += status == "diverged"
-            summary["ran"] += 1
-            bar.update(1)
-            log(f"{title}{status}, val loss {result['final_val_loss']:.4f} at step {result['step']}, "
-                f"{result['seconds']:.1f}s trained, {result['tokens_per_s'] or 0:,.0f} tokens/s")
     finally:
-        bar.close()
-    summary["done"] = len(finished())
-    return summary
+        if held is not None:
+            os.close(held)
 
 
 def _curve_values(d: StudyDefinition, configs) -> dict[str, Any]:
@@ -405,9 +400,11 @@ def _pruning_reporter(trial, budget: str) -> Callable[[int, float, float], bool]
     return report
 
 
-def tune_arms(sr: StudyRun, configs, storage, log, stop) -> dict[str, float]:
+def tune_arms(sr: StudyRun, configs, storage, log, stop, url: str | None = None) -> dict[str, float]:
     """Per arm, a TPE search over one hyperparameter on seed 0, so no arm is judged on a learning rate
-    picked for another. Returns each arm's best value (finished searches are not rerun)."""
+    picked for another. Returns each arm's best value (finished searches are not rerun). Trials run
+    through ``study.optimize`` (the heartbeat covers them); one whose process died is queued again and
+    resumes its own run folder."""
     import optuna
     from optuna.trial import TrialState
 
@@ -420,39 +417,60 @@ def tune_arms(sr: StudyRun, configs, storage, log, stop) -> dict[str, float]:
         base = configs[(arm, 0)]
         study = optuna.create_study(study_name=f"{sr.key}-tune-lr-{arm}", storage=storage, direction="minimize",
                                     load_if_exists=True, sampler=optuna.samplers.TPESampler(seed=0))
-        fail_abandoned(study)
-        while sum(t.state == TrialState.COMPLETE for t in study.get_trials(deepcopy=False)) < sr.tune_trials:
-            trial = study.ask()
+        if url is None or st.is_local(url):
+            st.reap_dead(study)
+
+        def objective(trial, arm=arm, base=base) -> float:
+            for k, v in st.owner_attrs().items():
+                trial.set_user_attr(k, v)
             lr = trial.suggest_float("lr", base.optim.lr / 10, base.optim.lr * 10, log=True)
             cfg = sr.definition.arm_config(arm, 0, sr.budget, sr.overrides)
             cfg.optim.lr = lr
-            run_dir = sr.folder / "tune" / f"{arm.replace(':', '')}-t{trial.number}"
-            trial.set_user_attr("host", socket.gethostname())
-            trial.set_user_attr("pid", os.getpid())
+            run_dir = Path(trial.user_attrs.get("run_dir") or sr.folder / "tune" / f"{arm.replace(':', '')}-t{trial.number}")
+            trial.set_user_attr("run_dir", str(run_dir))
             result = train_run(cfg, run_dir, sr.output / "cache", resume=True, log=log, stop=stop,
                                title=f"tune {arm} lr={lr:.2e}: ", position=1, log_evals=False)
             if result["status"] == "interrupted":
-                study.tell(trial, state=TrialState.FAIL)
                 raise KeyboardInterrupt
-            study.tell(trial, result["final_val_loss"] if result["status"] == "completed" else float("inf"))
+            return result["final_val_loss"] if result["status"] == "completed" else float("inf")
+
+        while sum(t.state == TrialState.COMPLETE for t in study.get_trials(deepcopy=False)) < sr.tune_trials:
+            study.optimize(objective, n_trials=1, gc_after_trial=False)
         best[arm] = float(study.best_params["lr"])
         log(f"tuned {arm}: lr = {best[arm]:.3g}")
     return best
 
 
 def load_studies(output: Path, name: str, budget: str | None, storage: str | None) -> list[Any]:
-    """The Optuna studies of ``name`` in ``output`` (one per budget that was run)."""
+    """The Optuna studies of ``name`` in ``output`` (one per budget that was run), wherever the workers
+    kept them: ``--storage`` if given, else the storage recorded in the output folder, else a local
+    SQLite file or journal that holds them."""
     import optuna
 
-    url = storage_url(output, storage)
-    st = open_storage(url, create=False)
-    try:
-        names = [s.study_name for s in optuna.get_all_study_summaries(st, include_best_trial=False)]
-    except Exception as e:
-        raise UsageError(f"cannot read study storage {redact(url)}: {redact(str(e).splitlines()[0])}") from None
     budgets = [budget] if budget else ["steps", "wallclock"]
-    found = [optuna.load_study(study_name=f"{name}-{b}", storage=st) for b in budgets if f"{name}-{b}" in names]
+    if not storage and not st.local_candidates(output) and not any(st.recorded(output, f"{name}-{b}") for b in budgets):
+        open_storage(st.sqlite_url(output), create=False)  # raises: no study database here
+    found, names = [], set()
+    for b in budgets:
+        key = f"{name}-{b}"
+        url = find_storage(output, key, storage)
+        if url is None:
+            continue
+        st_obj = open_storage(url, create=False)
+        try:
+            have = {s.study_name for s in optuna.get_all_study_summaries(st_obj, include_best_trial=False)}
+        except Exception as e:
+            raise UsageError(f"cannot read study storage {redact(url)}: {redact(str(e).splitlines()[0])}") from None
+        names |= have
+        if key in have:
+            found.append(optuna.load_study(study_name=key, storage=st_obj))
     if not found:
+        for url in st.local_candidates(output):
+            try:
+                names |= {s.study_name for s in optuna.get_all_study_summaries(open_storage(url, create=False),
+                                                                               include_best_trial=False)}
+            except Exception:
+                pass
         have = sorted({n.rsplit("-", 1)[0] for n in names if "-tune-" not in n})
         raise UsageError(f"no study {name!r}{' with --budget ' + budget if budget else ''} in {output}"
                          + (f" (found: {', '.join(have)})" if have else " (run `mhar-ablate study NAME` first)"))

@@ -26,3 +26,21 @@ def tiny_cfg():
         return build_config(overrides={k.replace("__", "."): v for k, v in overrides.items()})
 
     return make
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL server for the session (tests/pg_server.py); ``postgres.new_database()`` gives
+    each test an empty database URL."""
+    from pg_server import Server, find_bin
+
+    bindir = find_bin()
+    if bindir is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("PostgreSQL's initdb is not installed; .ci/run installs Debian's postgresql package")
+        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
+    server = Server(bindir).start()
+    try:
+        yield server
+    finally:
+        server.stop()

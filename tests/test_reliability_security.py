@@ -62,7 +62,7 @@ def test_study_log_never_shows_the_password(tmp_path, capsys, monkeypatch):
     seen: list[str] = []
     real_open = study_mod.open_storage
 
-    def sqlite_instead(url, create):  # a password-bearing URL, served by a local SQLite file
+    def sqlite_instead(url, create, **options):  # a password-bearing URL, served by a local SQLite file
         seen.append(url)
         return real_open(f"sqlite:///{tmp_path / 'out' / 'studies.db'}", create)
 

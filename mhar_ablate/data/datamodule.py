@@ -33,8 +33,13 @@ class _TrainStream(IterableDataset):
 
     def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
         step = self._module.start_step
+        m = self._module
         while True:
-            yield self._module.batch_at(step)
+            x, y = m.batch_at(step)
+            if m.world > 1:  # DDP: this rank's rows of the global batch, so the ranks together see all of it
+                rows = slice(m.rank * len(x) // m.world, (m.rank + 1) * len(x) // m.world)
+                x, y = x[rows], y[rows]
+            yield x, y
             step += 1
 
 
@@ -68,6 +73,7 @@ class TokenDataModule(lightning.LightningDataModule):
         self.cache_dir = Path(cache_dir)
         self.eval_batches = eval_batches
         self.start_step = 0
+        self.rank, self.world = 0, 1  # set by a DDP run: which slice of each global batch this process trains on
         self._corpus: Corpus | None = None
         self._val: np.ndarray | None = None
 

@@ -19,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..io import commit, raise_if_no_space
+from . import distributed
 from .budget import Budget, format_seconds
 from .module import LMModule
 from .stop import StopRequest
@@ -92,7 +93,12 @@ class BudgetCallback(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, module: LMModule, outputs, batch, batch_idx) -> None:
         step = trainer.global_step
-        if not self._read_due(step, module):
+        # Under DDP every rank takes the same decisions (distributed.py): a read-out when any rank wants one
+        # (each rank's clock estimate is its own), a stop asked on any rank (rank 0 has the signal handler),
+        # a checkpoint due on any rank (saving is collective). On one process: the local values.
+        save_due = time.monotonic() - self._last_save >= self.checkpoint_every
+        _, (read, stopped, save_due) = distributed.agree(0.0, self._read_due(step, module), bool(self.stop), save_due)
+        if not read:
             return
         self._read_out(trainer, module)
         if self.status != "running":
@@ -106,9 +112,9 @@ class BudgetCallback(L.Callback):
                 return
         if exhausted:
             self._finish(trainer, module, "completed", "")
-        elif self.stop:
-            self._finish(trainer, module, "interrupted", f"stopped by {self.stop.signal}")
-        elif due and time.monotonic() - self._last_save >= self.checkpoint_every:
+        elif stopped:
+            self._finish(trainer, module, "interrupted", f"stopped by {self.stop.signal or 'rank 0'}")
+        elif due and save_due:
             self._save(trainer)
 
     def on_train_end(self, trainer: L.Trainer, module: LMModule) -> None:
@@ -137,6 +143,7 @@ class BudgetCallback(L.Callback):
         on the device)."""
         start = module.clock.elapsed
         dt, n = module.clock.read()
+        module.clock.elapsed, _ = distributed.agree(module.clock.elapsed)  # DDP: the slowest rank's clock, everywhere
         rows = module.take_pending()
         self._last_read = trainer.global_step
         if module.device.type == "cuda":
@@ -181,6 +188,8 @@ class BudgetCallback(L.Callback):
         t0 = time.perf_counter()
         loss = module.evaluate(self.val_batches())
         self.eval_seconds += time.perf_counter() - t0
+        prune = self.on_eval is not None and math.isfinite(loss) and self.on_eval(step, seconds, loss)
+        loss, prune = distributed.agree_eval(loss, prune)  # DDP: rank 0's loss and pruning decision
         self.next_eval = math.floor(self.budget.progress(step, seconds) * self.eval_every) + 1
         point = {"step": step, "seconds": seconds, "tokens": step * self.tokens_per_step, "val_loss": loss}
         self.curve.append(point)
@@ -198,7 +207,7 @@ class BudgetCallback(L.Callback):
                       f"val loss {loss:.4f}{', ' + left if left else ''}")
         if not math.isfinite(loss):
             self._finish(trainer, module, "diverged", f"validation loss became {loss} at step {step}")
-        elif self.on_eval is not None and self.on_eval(step, seconds, loss):
+        elif prune:
             self._finish(trainer, module, "pruned", f"pruned at step {step}")
 
     def _heatmap(self, writer, module: LMModule, step: int) -> None:
@@ -221,12 +230,13 @@ class BudgetCallback(L.Callback):
         self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.checkpoint.with_name(self.checkpoint.name + ".tmp")
         try:
-            trainer.save_checkpoint(tmp)
+            trainer.save_checkpoint(tmp)  # collective under DDP: every rank calls it, rank 0 writes the file
         except OSError as e:
             tmp.unlink(missing_ok=True)
             raise_if_no_space(e, self.checkpoint)
             raise
-        commit(tmp, self.checkpoint)
+        if trainer.is_global_zero:
+            commit(tmp, self.checkpoint)
         self._last_save = time.monotonic()
         self.save_seconds += time.perf_counter() - t0
 

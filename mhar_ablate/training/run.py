@@ -26,6 +26,7 @@ from ..config import RunConfig, from_dict
 from ..errors import UsageError
 from ..io import write_json, write_text
 from ..model import routing_overhead
+from . import distributed
 from .budget import Budget
 from .callbacks import BudgetCallback, ProgressBar
 from .stop import StopRequest
@@ -124,8 +125,19 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
               on_eval: Callable[[int, float, float], bool] | None = None, log: Callable[[str], None] = print,
               title: str = "", stop: StopRequest | None = None, position: int = 0,
               log_evals: bool = True) -> dict[str, Any]:
-    """Train ``cfg`` into ``run_dir`` (continuing its checkpoint if ``resume``); return the result dict."""
+    """Train ``cfg`` into ``run_dir`` (continuing its checkpoint if ``resume``); return the result dict.
+    With ``train.devices`` > 1 this process becomes rank 0 of a DDP run and starts the other ranks."""
     from ..data import TokenDataModule
+
+    if cfg.train.devices > 1 and not distributed.inside_rank():
+        result = distributed.launch(
+            cfg.train.devices, train_run, (cfg, run_dir, cache_dir),
+            dict(resume=resume, on_eval=on_eval, log=log, title=title, stop=stop, position=position, log_evals=log_evals),
+            dict(resume=resume, log=_quiet, log_evals=False))
+        write_json(run_dir / "result.json", result)  # now with every rank's last step
+        return result
+    rank = distributed.env_rank() if cfg.train.devices > 1 else 0
+    lead = rank == 0  # only rank 0 writes the run folder, logs and reports to Optuna
 
     quiet_lightning()
     if cfg.train.threads:
@@ -133,6 +145,7 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
     # Data first: a bad data path fails before a run folder exists.
     dm = TokenDataModule(cfg.data, cfg.model.seq_len, cfg.train.batch_size, cfg.seed, cache_dir,
                          eval_batches=cfg.train.eval_batches)
+    dm.rank, dm.world = rank, cfg.train.devices
     dm.prepare_data()
     dm.setup("fit")
     vocab = cfg.model.vocab_size or dm.vocab_size
@@ -141,7 +154,7 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt = run_dir / CHECKPOINT
     ckpt_path = ckpt if resume and ckpt.is_file() else None
-    if not resume or not (run_dir / "config.yaml").is_file():
+    if lead and (not resume or not (run_dir / "config.yaml").is_file()):
         write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     if cfg.train.compile:
@@ -157,14 +170,18 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
     budget = Budget(cfg.train.budget, cfg.train.steps, cfg.train.time)
     tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
     budget_cb = BudgetCallback(budget, cfg.train.eval_every, cfg.train.heatmap_every, dm.val_dataloader, ckpt,
-                               tokens_per_step, flops_per_token(cfg, params), on_eval=on_eval, stop=stop,
-                               log=log if log_evals else None, title=title,
+                               tokens_per_step, flops_per_token(cfg, params), on_eval=on_eval if lead else None,
+                               stop=stop if lead else None, log=log if log_evals and lead else None, title=title,
                                checkpoint_every=cfg.train.checkpoint_every, log_every=cfg.train.log_every)
     bar = ProgressBar(budget, budget_cb, desc=title.strip(" :") or "train", position=position)
-    logger = TensorBoardLogger(str(run_dir), name="tb", version="", default_hp_metric=False)
+    logger = TensorBoardLogger(str(run_dir), name="tb", version="", default_hp_metric=False) if lead else False
+    ddp = cfg.train.devices > 1
     trainer = L.Trainer(
         # Precision and clipping are the step's own (autocast inside TrainStep, clipping before its update).
-        accelerator="auto", devices=1, precision="32-true", logger=logger, callbacks=[budget_cb, bar],
+        # devices > 1: Lightning's DDP over the ranks that distributed.launch started (use_distributed_sampler
+        # off: each rank slices the global batch itself).
+        accelerator="auto", devices=cfg.train.devices, strategy="ddp" if ddp else "auto", use_distributed_sampler=False,
+        precision="32-true", logger=logger, callbacks=[budget_cb, bar] if lead else [budget_cb],
         max_steps=cfg.train.steps if budget.kind == "steps" else -1, max_epochs=-1,
         enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1_000_000,
@@ -196,6 +213,7 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
         "baseline_params": base_params,
         "param_overhead_pct": overhead,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "devices": cfg.train.devices,
         "routing_backend": _backend_name(cfg),
         "compiled": cfg.train.compile,
         "cuda_graph": bool(module.step and module.step.captured),  # which mode ran
@@ -206,6 +224,11 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
         "wall_seconds": time.time() - started,
         "data": dm.describe(),
     }
+    if cfg.train.devices > 1:  # DDP keeps the replicas equal: the launcher compares these across ranks
+        result["weights_sum"] = float(sum(p.detach().double().sum() for p in module.parameters()))
+    if not lead:
+        _release(module, trainer)
+        return result
     weights = module.model.residual.last_weights()
     if weights is not None:
         result["routing_weights"] = [w.tolist() for w in weights]
@@ -228,6 +251,10 @@ def _release(module: LMModule, trainer: L.Trainer) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _quiet(msg: str) -> None:
+    """The log of DDP ranks other than 0: rank 0 speaks for the run."""
 
 
 def _backend_name(cfg: RunConfig) -> str:
