@@ -105,7 +105,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     vocab = cfg.model.vocab_size or (256 if cfg.data.tokenizer == "byte" else cfg.data.vocab_size)
     n, nb, pct = routing_overhead(cfg.model, cfg.residual, vocab)
     print(f"preset {cfg.model.preset}: d={cfg.model.d_model}, {cfg.model.n_layers} layers, vocab {vocab:,}")
-    print(f"{cfg.residual.kind} parameters: {n:,}; baseline: {nb:,}; routing overhead: {pct:+.4f} %")
+    from .training.run import arm_label
+
+    own = cfg.residual.settings()
+    settings = f" ({', '.join(f'{k}={v}' for k, v in vars(own).items())})" if own is not None else ""
+    print(f"{arm_label(cfg)}{settings} parameters: {n:,}; baseline: {nb:,}; routing overhead: {pct:+.4f} %")
     return 0
 
 
