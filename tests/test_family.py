@@ -180,6 +180,24 @@ def test_sinkhorn_is_doubly_stochastic():
     torch.testing.assert_close(sinkhorn(torch.zeros(4, 4), 20), torch.full((4, 4), 0.25))
 
 
+def test_sinkhorn_backward_is_autograd_through_the_loop():
+    def by_autograd(logits, iters):
+        m = torch.softmax(logits, -1)
+        m = m / m.sum(-2, keepdim=True)
+        for _ in range(iters - 1):
+            m = m / m.sum(-1, keepdim=True)
+            m = m / m.sum(-2, keepdim=True)
+        return m
+
+    logits = torch.randn(2, 3, 4, 4, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    for iters in (1, 20):
+        ours, = torch.autograd.grad(sinkhorn(logits, iters), logits, grad)
+        want, = torch.autograd.grad(by_autograd(logits, iters), logits, grad)
+        torch.testing.assert_close(ours, want, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(sinkhorn(logits, iters), by_autograd(logits, iters), rtol=1e-12, atol=1e-14)
+
+
 def test_mhar_with_one_head_is_attnres():
     x, _ = _batch(seed=7)
     for query_init in ("zeros", "normal:0.5"):

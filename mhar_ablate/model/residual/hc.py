@@ -66,12 +66,17 @@ def check_rate(kind: str, rate: int) -> None:
 
 
 def mix_streams(weights: Tensor, H: Tensor) -> Tensor:
-    """``out[..., k, :] = sum_j weights[..., j, k] * H[..., j, :]``: weights (..., n, m), H (..., n, d) -> (..., m, d).
+    """``out[..., k, :] = sum_j weights[..., j, k] * H[..., j, :]``: weights (n, m) or (..., n, m), H (..., n, d)
+    -> (..., m, d), in float32.
 
-    A broadcast product summed over the n streams rather than a matmul: torch.compile turns a reduction of
-    n <= 8 terms (inductor's ``unroll_reductions_threshold``) into pointwise code and fuses it with its
-    neighbours, where a matmul would be a separate batched GEMM of tiny n x m blocks per token. It also keeps
-    the mix in float32 under autocast. Eager mode pays an (n, m, d) temporary per token for it."""
+    Under torch.compile, a broadcast product summed over the n streams: inductor turns a reduction of n <= 8
+    terms (its ``unroll_reductions_threshold``) into pointwise code fused with its neighbours, where a matmul
+    would be a separate batched GEMM of tiny n x m blocks per token. Eagerly, that product would be an
+    (n, m, d) temporary per token: static weights take one float32 matmul instead (autocast off, which would
+    make it bf16); per-token weights keep the product, which beat a batched matmul of n x m blocks on CPU."""
+    if weights.dim() == 2 and not torch.compiler.is_compiling():
+        with torch.autocast(H.device.type, enabled=False):
+            return torch.matmul(weights.t(), H)
     return (weights.unsqueeze(-1) * H.unsqueeze(-2)).sum(-3)
 
 

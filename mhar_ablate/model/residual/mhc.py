@@ -56,22 +56,25 @@ class MHCSettings:
 def sinkhorn(logits: Tensor, iters: int) -> Tensor:
     """Doubly stochastic (..., n, n) from logits: exp, then alternately rows and columns normalised,
     ``iters`` times each (the first row normalisation is a softmax: exp without overflow)."""
-    return _Sinkhorn.apply(logits, iters)
+    # The n x n axes in front: every sum then adds whole (tokens) planes, where sums over two tiny
+    # trailing axes run an order of magnitude slower in eager PyTorch on a CPU.
+    m = _Sinkhorn.apply(logits.movedim((-2, -1), (0, 1)).contiguous(), iters)
+    return m.movedim((0, 1), (-2, -1))
 
 
 class _Sinkhorn(torch.autograd.Function):
-    """Sinkhorn-Knopp with its backward written out: y = x / sum(x) along an axis has
-    dx = (dy - sum(dy * y)) / sum(x). The same numbers as autograd through the loop, in about a third of
-    the graph nodes (2 x 20 normalisations at each of 2L sites is most of mHC's graph under torch.compile,
-    and its compile time). The backward treats the column floor as inactive: it guards only against an
-    underflowed column, which a trained model does not reach."""
+    """Sinkhorn-Knopp on (n, n, ...) logits (rows: axis 1), its backward written out: y = x / sum(x) along
+    an axis has dx = (dy - sum(dy * y)) / sum(x). The same numbers as autograd through the loop, in about a
+    third of the graph nodes (2 x 20 normalisations at each of 2L sites is most of mHC's graph under
+    torch.compile, and of its compile time). The backward treats the column floor as inactive: it guards
+    only against an underflowed column, which a trained model does not reach."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, iters: int) -> Tensor:
-        m = torch.softmax(logits, dim=-1)
+        m = torch.softmax(logits, dim=1)
         outs, sums = [m], []
         for t in range(2 * iters - 1):  # columns, rows, columns, ...: the last one normalises columns
-            s = m.sum(-2, keepdim=True).clamp_min(_COLUMN_FLOOR) if t % 2 == 0 else m.sum(-1, keepdim=True)
+            s = m.sum(0, keepdim=True).clamp_min(_COLUMN_FLOOR) if t % 2 == 0 else m.sum(1, keepdim=True)
             m = m / s
             outs.append(m)
             sums.append(s)
@@ -83,11 +86,12 @@ class _Sinkhorn(torch.autograd.Function):
         saved = ctx.saved_tensors
         steps = len(saved) // 2  # normalisations after the softmax
         outs, sums = saved[:steps + 1], saved[steps + 1:]
+        grad = grad.contiguous()  # it arrives in the caller's layout (the n x n axes last)
         for t in reversed(range(steps)):
-            axis = -2 if t % 2 == 0 else -1
+            axis = 0 if t % 2 == 0 else 1
             grad = (grad - (grad * outs[t + 1]).sum(axis, keepdim=True)) / sums[t]
         y = outs[0]  # the softmax
-        return y * (grad - (grad * y).sum(-1, keepdim=True)), None
+        return y * (grad - (grad * y).sum(1, keepdim=True)), None
 
 
 class MHCState:
