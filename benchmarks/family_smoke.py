@@ -1,9 +1,14 @@
 """Correctness smoke of every residual kind on a GPU: a few training steps in bf16 autocast on a learnable
-token stream, eager (each kind's own path: the fused Triton one for attnres, mhar and delta), without NaN
-and with the loss coming down; and, for the kinds that start as pre-norm, the first loss against the
-baseline's at the same seed (the sublayers start from the same weights, so it should match to bf16 noise).
+token stream, eager by default (each kind's own path: the fused Triton one for attnres, mhar and delta),
+without NaN and with the loss coming down; and, for the kinds that start as pre-norm, the first loss
+against the baseline's at the same seed (the sublayers start from the same weights: it should match to
+bf16 noise).
 
     PYTHONPATH=$PWD python3 benchmarks/family_smoke.py --json /tmp/smoke.json     # exit 1 if a kind fails
+
+Each case trains with the step that ``train`` runs (``training/step.py``): on the GPU it is captured in a
+CUDA graph and replayed, so a kind that cannot be captured fails here. ``--compile`` compiles each model
+too (slow: a minute or more per case at the ``small`` preset).
 
 The tokens follow a fixed random permutation (token t+1 = perm[token t], a fresh start per sequence): a
 bigram table the model can learn in a few dozen steps, unlike uniform random tokens.
@@ -18,12 +23,12 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from mhar_ablate.config import build_config
 from mhar_ablate.model import Decoder
 from mhar_ablate.model.residual import RESIDUALS
 from mhar_ablate.training.run import arm_label
+from mhar_ablate.training.step import TrainStep, make_loss, make_optimizer
 
 # Every kind with its defaults, plus the settings that change a kind's structure.
 CASES = {kind: {"residual.kind": kind} for kind in RESIDUALS} | {
@@ -49,25 +54,23 @@ def batches(vocab: int, batch: int, seq: int, steps: int, device: torch.device):
 
 
 def run(over: dict, args, device: torch.device) -> dict:
-    cfg = build_config(overrides={"model.preset": args.preset, **over})
+    """Train one case with the step that ``train`` runs (training/step.py: on CUDA captured in a CUDA graph
+    and replayed)."""
+    cfg = build_config(overrides={"model.preset": args.preset, "optim.lr": str(args.lr), **over})
     torch.manual_seed(0)
     model = Decoder(cfg.model, cfg.residual, args.vocab).to(device)
-    opt = torch.optim.AdamW(model.param_groups(0.1), lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
     cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    losses, t0 = [], time.perf_counter()
-    for x, y in batches(args.vocab, args.batch, args.seq, args.steps, device):
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+    opt = make_optimizer(model, cfg.optim, device)
+    step = TrainStep(model, opt, make_loss(model, "default" if args.compile else None), grad_clip=cfg.optim.grad_clip,
+                     autocast=torch.bfloat16 if cuda else None, device=device, cuda_graph=cuda)
+    data = list(batches(args.vocab, args.batch, args.seq, args.steps, device))
+    prepare_s = step.prepare(*data[0])
+    t0 = time.perf_counter()
+    out = torch.stack([step(x, y) for x, y in data])  # (steps, [loss, grad norm]), read once at the end
+    losses = out[:, 0].tolist()
     return {"kind": cfg.residual.kind, "label": arm_label(cfg), "first_loss": losses[0], "last_loss": losses[-1],
-            "finite": all(math.isfinite(v) for v in losses), "seconds": round(time.perf_counter() - t0, 2),
+            "finite": all(math.isfinite(v) for v in out.flatten().tolist()), "captured": step.captured,
+            "note": step.note, "prepare_s": round(prepare_s, 1), "seconds": round(time.perf_counter() - t0, 2),
             "peak_gb": round(torch.cuda.max_memory_allocated(device) / 1e9, 2) if cuda else None}
 
 
@@ -81,6 +84,7 @@ def main() -> int:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a check of the script itself (fp32)")
+    p.add_argument("--compile", action="store_true", help="compile each model too (a minute or more per case)")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("family_smoke.py: no GPU (--device cpu checks the script itself)", file=sys.stderr)
@@ -101,11 +105,13 @@ def main() -> int:
             print(f"{r['case']:<18} error: {r['error']}")
         else:
             r["first_vs_baseline"] = r["first_loss"] - base["first_loss"]
+            # Captured where a GPU is: a kind that cannot be captured trains uncaptured, and says why.
             r["ok"] = r["finite"] and r["last_loss"] < 0.9 * r["first_loss"] and (
-                r["case"] not in PRENORM or abs(r["first_vs_baseline"]) < 2e-2)
+                r["case"] not in PRENORM or abs(r["first_vs_baseline"]) < 2e-2) and (
+                r["captured"] or device.type != "cuda")
             peak = "–" if r["peak_gb"] is None else f"{r['peak_gb']:.2f}"
             print(f"{r['case']:<18} {r['first_loss']:8.4f} {r['last_loss']:8.4f} {r['first_vs_baseline']:+20.2e} "
-                  f"{r['seconds']:6.1f} {peak:>8}  {'ok' if r['ok'] else 'FAILED'}")
+                  f"{r['seconds']:6.1f} {peak:>8}  {'ok' if r['ok'] else 'FAILED'}" + (f"  ({r['note']})" if r["note"] else ""))
         ok &= r["ok"]
     if args.json:
         with open(args.json, "w") as f:

@@ -5,10 +5,9 @@ For one model preset it trains, on random tokens, the baseline and every residua
 (``model/residual``): the kinds with a fused path (AttnRes, MHAR with H routing heads, delta) with ``full``
 and ``block:4`` grouping on the reference and the fused path, the others (hc, hc-static, mhc, denseformer,
 muddformer: each kind's ``bench_variants``) as they are, each eager and under ``torch.compile``, and
-reports per variant: tokens/s, the ratio to the baseline of the
-same compile mode, peak memory, and the step time split into routing and the rest. A step is what
-training does: forward and loss under bf16 autocast, backward, fused AdamW (routing parameters without
-weight decay). Times are CUDA-event medians over several steps after warm-up (compilation excluded).
+reports per variant: tokens/s, the ratio to the baseline of the same compile mode, peak memory, and the
+step time split into routing and the rest. A step is what training does: forward and loss under bf16
+autocast, backward, fused AdamW (routing parameters without weight decay). Times are CUDA-event medians over several steps after warm-up (compilation excluded).
 
 The split comes from one extra step under ``torch.profiler``: routing is the GPU time of the kernels
 launched inside the ``mhar::routing`` ranges (forward) and by the backward nodes those ranges created
@@ -291,7 +290,6 @@ def _build(v: Variant, preset: str, heads: int, vocab: int, device: torch.device
 
     from .config import build_config
     from .model import Decoder
-
     from .model.residual import RESIDUALS
 
     over = {"model.preset": preset, "residual.kind": v.routing, **dict(v.settings)}
