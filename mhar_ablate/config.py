@@ -110,7 +110,8 @@ class ResidualConfig:
         """The settings dataclass of ``kind`` (default: this config's kind), or None for a kind without any."""
         kind = kind or self.kind
         if kind not in self._settings:
-            self._settings[kind] = settings_class(kind)()
+            make = kind_class(kind).Settings
+            self._settings[kind] = make() if make is not None else None
         return self._settings[kind]
 
     def resolved_heads(self) -> int | None:
@@ -180,11 +181,6 @@ def kind_class(kind: str) -> Any:
     if kind not in RESIDUALS:
         raise UsageError(f"unknown residual.kind {kind!r}: choose one of {', '.join(RESIDUALS)}")
     return RESIDUALS[kind]
-
-
-def settings_class(kind: str) -> Any:
-    """A callable that makes the default settings of ``kind``: its Settings dataclass, or None."""
-    return kind_class(kind).Settings or (lambda: None)
 
 
 @dataclass

@@ -1,14 +1,14 @@
 """DenseFormer: Depth-Weighted Averaging after each block (Pagliardini et al., arXiv:2402.02622).
 
 Blocks (an attention and an MLP sublayer with the ordinary residual sum inside) are kept; after block i a
-DWA module replaces the block's output by a learned average of every earlier one (§3, Eq. 1):
+DWA module replaces the block's output by a learned average of every earlier one:
 
     X_0 = embedding,   X_i = Block_i(Y_(i-1)),   Y_i = sum_(j <= i) α_(i,j) X_j,   Y_0 = X_0
 
 with α_(i,i) = 1 and α_(i,j) = 0 for j < i at initialisation: Y_i = X_i, the standard transformer,
 exactly (every sublayer's input at step 0 is bitwise pre-norm's). The output norm reads Y_L.
 
-Sparsity (§3.2): dilation k (``residual.denseformer.dilation``) keeps only X_j with j ≡ i (mod k); period p
+Sparsity: dilation k (``residual.denseformer.dilation``) keeps only X_j with j ≡ i (mod k); period p
 (``residual.denseformer.period``) places a DWA only after every p-th block (elsewhere Y_i = X_i). The
 paper's names: "k x p DenseFormer"; 1 x 1 (the default) is the dense one.
 
@@ -19,9 +19,9 @@ Choices the paper leaves open (or its code makes), and the ones made here:
   α_(i,i) from 1).
 - averaging in float32: the X_j are the float32 residual stream of pre-norm under autocast.
 
-Speed: the average is a sum of products over a Python list of the kept X_j; torch.compile fuses it into one
-pass that reads each X_j once. Backward is O(L²) like any dense connection (each X_j gets a gradient from
-every later DWA that reads it).
+Speed: the average is a sum of products over a Python list of the kept X_j, pointwise code that
+torch.compile can fuse into one pass reading each X_j once (no stacked copy of the history). Backward is
+O(L²) like any dense connection (each X_j gets a gradient from every later DWA that reads it).
 """
 
 from __future__ import annotations

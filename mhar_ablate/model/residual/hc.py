@@ -2,7 +2,7 @@
 
 The residual stream is widened to n copies (``residual.hc.rate``, default 4): a state H of shape
 (B, T, n, d), with the embedding in every stream at the start. Every sublayer (attention and MLP alike)
-has its own hyper-connection matrix (§2.1)
+has its own hyper-connection matrix (§2)
 
     HC = | 0    B   |      B   (1 x n)  how the sublayer's output is written into each stream
          | A_m  A_r |      A_m (n x 1)  how the streams are mixed into the sublayer's input
@@ -11,7 +11,7 @@ has its own hyper-connection matrix (§2.1)
     read   h  = A_m^T H                    the sublayer's input, (B, T, d)
     write  H' = B^T out + A_r^T H          out = sublayer(h)
 
-Dynamic HC (``residual.hc.dynamic``, default true; §2.2, Eqs. 10-13) adds per-token terms computed from
+Dynamic HC (``residual.hc.dynamic``, default true; Eqs. 10-13) adds per-token terms computed from
 the normalised streams H̄ = norm(H):
 
     B(H)   = s_β tanh(H̄ W_β)^T + B
@@ -20,7 +20,7 @@ the normalised streams H̄ = norm(H):
 
 Initialisation (§2.3, Eq. 14): W_β, W_m, W_r = 0, s_α = s_β = 0.01, B = 1, A_m = e_(k mod n) for sublayer
 k, A_r = I. Every stream then holds the pre-norm running sum and each sublayer reads one of them: at step
-0 every sublayer's input is bitwise pre-norm's. After the last sublayer the streams are summed (§2.1)
+0 every sublayer's input is bitwise pre-norm's. After the last sublayer the streams are summed
 before the output norm.
 
 Choices the paper leaves open, and the ones made here:
@@ -28,8 +28,8 @@ Choices the paper leaves open, and the ones made here:
   since W would absorb one (a gain in front of a linear map is redundant with it).
 - k in e_(k mod n) counts sublayers, attention and MLP separately, as the paper's per-layer modules do.
 - the sum of the n streams enters the output RMSNorm at n times pre-norm's scale, which the norm removes
-  except in its eps: the logits at step 0 equal pre-norm's within that (tests/test_family.py says how
-  close), not bitwise.
+  except in its eps: the logits at step 0 are those of pre-norm with that eps divided by n² (to rounding),
+  about 1e-3 relative from pre-norm's own at the tiny preset's small activations (tests/test_family.py).
 - weight decay: none on B, A_m, A_r, s_α, s_β (the static parts: decay pulls A_r and B from the identity
   they start at, and users have seen NaNs with it, lucidrains/hyper-connections#4); W decays like any
   matrix of the model.
@@ -37,9 +37,10 @@ Choices the paper leaves open, and the ones made here:
   projection H̄ W runs under autocast like the decoder's other linear maps.
 
 Speed: per sublayer, ``read`` computes the coefficients (dynamic: one (n·B·T, d) x (d, n + 2) product) and
-the input; ``write`` mixes the streams and adds the output in one expression. The mixes are broadcast
-products summed over the n streams (``mix_streams``): torch.compile unrolls a reduction that short into
-pointwise code fused with what surrounds it, so a write and the next read are one pass over H.
+the input; ``write`` mixes the streams and adds the output in one expression, from the streams the read
+saw (nothing of the mix is materialised between the two calls). Under torch.compile the mixes are
+pointwise code (``mix_streams``), which inductor can fuse with what surrounds them: a static write with
+the next read, for one.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ class HyperConnections(Residual):
         return (state.alpha[..., 0].unsqueeze(-1) * state.H).sum(-2)  # A_m^T H
 
     def write(self, state: HCState, site: int, out: Tensor) -> None:
-        # A_r^T H + B^T out, from the streams the site read (nothing of the mix is kept between the calls).
+        # A_r^T H + B^T out, from the streams the site read.
         state.H = mix_streams(state.alpha[..., 1:], state.H) + state.beta.unsqueeze(-1) * out.unsqueeze(-2)
         state.alpha = state.beta = None
 

@@ -1,7 +1,7 @@
 """mHC: Manifold-Constrained Hyper-Connections (Xie et al., DeepSeek, arXiv:2512.24880).
 
 Hyper-Connections (``hc.py``) with n streams x_l (n x d per token, ``residual.mhc.rate``, default 4), whose
-maps are computed from all streams at once and constrained (§4.1-4.2, Eqs. 7-8):
+maps are computed from all streams at once and constrained:
 
     x̃      = RMSNorm(vec(x_l))                       the n·d streams of a token, flattened
     H_pre   = σ(α_pre  · x̃ φ_pre  + b_pre)            (1 x n)  read:  h = H_pre x_l
@@ -18,7 +18,7 @@ Choices the paper leaves open, and the ones made here:
   come from (wdlctc/hyper-connection-factory). With φ = 0 that is pre-norm (each sublayer reads n/2 times
   the running sum, which its pre-norm removes up to eps; tests/test_family.py checks it).
 - RMSNorm of the flattened streams without a gain (φ would absorb it), its division applied after the
-  product x φ (§4.3.1 does the same reordering): one read of the streams computes all 2n + n² logits.
+  product x φ (the paper's kernels reorder it the same way): one read of the streams computes all 2n + n² logits.
 - Sinkhorn-Knopp: the first step is a softmax over each row (exp with its maximum subtracted, then the row
   normalisation: the same matrix, without overflow), then columns, rows, ..., t_max row and t_max
   column normalisations in all; column sums are clamped away from zero so that an underflowed column

@@ -1,8 +1,8 @@
-"""MUDDFormer: multiway dynamic dense connections (Xiao et al., ICML 2025, arXiv:2502.12170).
+"""MUDDFormer: multiway dynamic dense connections (Xiao et al., arXiv:2502.12170).
 
 Like DenseFormer (``denseformer.py``), every block's output X_i is kept, but the weights are per token and
-the next block gets four separately mixed inputs, for its queries, keys, values and residual stream
-(§2, Eqs. 4-6). After block i (X_0 = the embedding):
+the next block gets four separately mixed inputs, for its queries, keys, values and residual stream.
+After block i (X_0 = the embedding):
 
     A_i    = GELU(RMSNorm(X_i) W_1) W_2 + a_i          per token: C x (i + 1) weights, C = 4 (Q, K, V, R)
     X_i^c  = sum_(j <= i) A_i[c, j] X_j                 c = Q, K, V, R

@@ -51,7 +51,7 @@ class MHARResidual(Residual):
 
     @classmethod
     def label(cls, cfg: Any) -> str:
-        """attnres, mhar-h8, mhar-h8-block:4, mhar-h4-qnormal:0.1, ..."""
+        """mhar-h8, mhar-h8-block:4, mhar-h4-qnormal:0.1, ..."""
         return cls.routed_label(cfg, f"{cls.kind}-h{cfg.resolved_heads()}")
 
     @staticmethod
