@@ -1,12 +1,13 @@
 """``mhar-ablate bench model``: training-step throughput, peak memory and routing time of the residual
 variants, measured on one GPU, so that "is MHAR worth it per hour?" has numbers behind it.
 
-For one model preset it trains, on random tokens, the baseline and the routed variants (AttnRes, MHAR
-with H routing heads; ``full`` and ``block:4`` grouping; the reference path and the fused path), each
-eager and under ``torch.compile``, and reports per variant: tokens/s, the ratio to the baseline of the
-same compile mode, peak memory, and the step time split into routing and the rest. A step is what
-training does: forward and loss under bf16 autocast, backward, fused AdamW (routing parameters without
-weight decay). Times are CUDA-event medians over several steps after warm-up (compilation excluded).
+For one model preset it trains, on random tokens, the baseline and every residual kind of the registry
+(``model/residual``): the kinds with a fused path (AttnRes, MHAR with H routing heads, delta) with ``full``
+and ``block:4`` grouping on the reference and the fused path, the others (hc, hc-static, mhc, denseformer,
+muddformer: each kind's ``bench_variants``) as they are, each eager and under ``torch.compile``, and
+reports per variant: tokens/s, the ratio to the baseline of the same compile mode, peak memory, and the
+step time split into routing and the rest. A step is what training does: forward and loss under bf16
+autocast, backward, fused AdamW (routing parameters without weight decay). Times are CUDA-event medians over several steps after warm-up (compilation excluded).
 
 The split comes from one extra step under ``torch.profiler``: routing is the GPU time of the kernels
 launched inside the ``mhar::routing`` ranges (forward) and by the backward nodes those ranges created
@@ -54,30 +55,50 @@ CPU_SHAPE = (1, 16)  # --device cpu: a smoke run, not a measurement
 
 @dataclass(frozen=True)
 class Variant:
-    routing: str  # baseline | attnres | mhar
-    grouping: str | None  # full | block:4 (None for the baseline)
-    path: str | None  # reference | fused (None for the baseline)
+    routing: str  # the residual kind (model/residual's RESIDUALS): baseline, attnres, mhar, delta, hc, ...
+    grouping: str | None  # kinds with a fused path: full | block:4 (None otherwise)
+    # Kinds with a fused path: reference | fused; the others: reference (plain PyTorch; under compile the
+    # routing is fused with its neighbours and not split off); None for the baseline.
+    path: str | None
     compiled: bool
     sites_per_pass: int | None = None  # fused path: consecutive sites sharing one pass over the history
+    label: str | None = None  # kinds without a fused path: the row's name (the kind's bench_variants)
+    settings: tuple[tuple[str, str], ...] = ()  # and its residual.<kind>.<name> overrides
 
     @property
     def name(self) -> str:
         mode = "compiled" if self.compiled else "eager"
         if self.routing == "baseline":
             return f"baseline-{mode}"
+        if self.label is not None:
+            return f"{self.label}-{mode}"
         path = "ref" if self.path == "reference" else "fused"
         return f"{self.routing}-{self.grouping.replace(':', '')}-{path}-{mode}"
 
 
+def _baseline(compiled: bool) -> Variant:
+    return Variant("baseline", None, None, compiled)
+
+
 def all_variants(sites_per_pass: list[int | None]) -> list[Variant]:
-    """Eager variants first, then compiled ones; the baseline first in each mode."""
+    """Every kind of the registry, eager variants first, then compiled ones; the baseline first in each
+    mode. A kind with a fused path gets full and block:4 grouping, each on the reference and the fused path
+    (one fused row per sites-per-pass value); the others get one row per entry of their bench_variants."""
+    from .model.residual import RESIDUALS
+
     out = []
     for compiled in (False, True):
-        out.append(Variant("baseline", None, None, compiled))
-        for routing in ("attnres", "mhar"):
+        out.append(_baseline(compiled))
+        for kind, cls in RESIDUALS.items():
+            if kind == "baseline":
+                continue
+            if not cls.fused_path:
+                out.extend(Variant(kind, None, "reference", compiled, label=label, settings=tuple(over.items()))
+                           for label, over in cls.bench_variants().items())
+                continue
             for grouping in ("full", "block:4"):
-                out.append(Variant(routing, grouping, "reference", compiled))
-                out.extend(Variant(routing, grouping, "fused", compiled, g) for g in sites_per_pass)
+                out.append(Variant(kind, grouping, "reference", compiled))
+                out.extend(Variant(kind, grouping, "fused", compiled, g) for g in sites_per_pass)
     return out
 
 
@@ -93,7 +114,7 @@ def select_variants(spec: str, variants: list[Variant]) -> list[Variant]:
             raise UsageError(f"--variants: {pattern!r} matches no variant; the variants are {names}")
         chosen.extend(h for h in hits if h not in chosen)
     for compiled in {v.compiled for v in chosen}:
-        base = Variant("baseline", None, None, compiled)
+        base = _baseline(compiled)
         if base not in chosen:
             chosen.append(base)
     return [v for v in variants if v in chosen]  # in the canonical order
@@ -108,8 +129,9 @@ def add_bench_parser(subparsers: Any) -> None:
     m.add_argument("--preset", default="paper350m", help="model preset from configs/ (default: paper350m)")
     m.add_argument("--variants", default="all", metavar="LIST",
                    help="comma-separated variant names or patterns, e.g. 'mhar-full-*,*-compiled' (default: all); "
-                        "names: baseline-{eager,compiled}, {attnres,mhar}-{full,block4}-{ref,fused}-{eager,compiled}")
-    m.add_argument("--heads", type=int, default=8, help="routing heads of the mhar variants (default 8)")
+                        "names: baseline-{eager,compiled}, {attnres,mhar,delta}-{full,block4}-{ref,fused}-{eager,compiled}, "
+                        "{hc,hc-static,mhc,denseformer,muddformer}-{eager,compiled}")
+    m.add_argument("--heads", type=int, default=8, help="routing heads of the mhar and delta variants (default 8)")
     m.add_argument("--sites-per-pass", default=None, metavar="N[,N...]",
                    help="fused path: sites sharing one pass over the history (default: the model's); "
                         "several values give one row each")
@@ -268,12 +290,14 @@ def _build(v: Variant, preset: str, heads: int, vocab: int, device: torch.device
 
     from .config import build_config
     from .model import Decoder
+    from .model.residual import RESIDUALS
 
-    over = {"model.preset": preset, "residual.kind": v.routing}
-    if v.routing != "baseline":
+    over = {"model.preset": preset, "residual.kind": v.routing, **dict(v.settings)}
+    cls = RESIDUALS[v.routing]
+    if cls.fused_path:
         over.update({"residual.grouping": v.grouping, "residual.backend": "triton" if v.path == "fused" else "reference"})
-        if v.routing == "mhar":
-            over["residual.heads"] = str(heads)
+    if "heads" in cls.shared:  # the kinds whose head count varies (mhar, delta)
+        over["residual.heads"] = str(heads)
     cfg = build_config(overrides=over)
     torch.manual_seed(0)
     with torch.device(device):

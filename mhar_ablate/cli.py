@@ -111,14 +111,17 @@ def _overrides(args: argparse.Namespace) -> dict[str, str]:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from .config import build_config
+    from .config import build_config, kind_class
     from .model import routing_overhead
 
     cfg = build_config(args.config, _overrides(args))
     vocab = cfg.model.vocab_size or (256 if cfg.data.tokenizer == "byte" else cfg.data.vocab_size)
     n, nb, pct = routing_overhead(cfg.model, cfg.residual, vocab)
     print(f"preset {cfg.model.preset}: d={cfg.model.d_model}, {cfg.model.n_layers} layers, vocab {vocab:,}")
-    print(f"{cfg.residual.kind} parameters: {n:,}; baseline: {nb:,}; routing overhead: {pct:+.4f} %")
+    own = cfg.residual.settings()
+    settings = f" ({', '.join(f'{k}={v}' for k, v in vars(own).items())})" if own is not None else ""
+    label = kind_class(cfg.residual.kind).label(cfg.residual)  # arm_label's, without importing Lightning
+    print(f"{label}{settings} parameters: {n:,}; baseline: {nb:,}; routing overhead: {pct:+.4f} %")
     return 0
 
 

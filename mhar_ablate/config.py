@@ -87,21 +87,39 @@ class ModelConfig:
             raise UsageError("the attention head dimension must be even for rotary embeddings")
 
 
-RESIDUAL_KINDS = ("baseline", "attnres", "mhar")
-
-
 @dataclass
 class ResidualConfig:
+    """The shared residual keys, and each kind's own settings (``residual.<kind>.<name>``).
+
+    The kinds, their settings classes and their checks live in the registry, ``model/residual``: this class
+    holds the values. A kind's settings object is made from the registry the first time it is asked for
+    (``settings``); only the run's own kind's settings are saved (``RunConfig.to_dict``).
+    """
+
     kind: str = "mhar"
-    heads: int | None = None  # routing heads H; None: 1 for attnres, 8 for mhar
+    heads: int | None = None  # routing heads H; None: the kind's default (1 for attnres, 8 for mhar and delta)
     grouping: str = "full"  # full | layer | block:K
     query_init: str = "zeros"  # zeros | normal:STD
     backend: str = "auto"  # auto | reference | triton
 
-    def resolved_heads(self) -> int:
-        if self.heads is not None:
-            return self.heads
-        return 8 if self.kind == "mhar" else 1
+    def __post_init__(self) -> None:
+        # Not a dataclass field: asdict, equality and the key lookup see only the shared keys above.
+        self._settings: dict[str, Any] = {}
+
+    def settings(self, kind: str | None = None) -> Any:
+        """The settings dataclass of ``kind`` (default: this config's kind), or None for a kind without any."""
+        kind = kind or self.kind
+        if kind not in self._settings:
+            make = kind_class(kind).Settings
+            self._settings[kind] = make() if make is not None else None
+        return self._settings[kind]
+
+    def resolved_heads(self) -> int | None:
+        """Routing heads H of the kinds that route over depth; None for the kinds without heads."""
+        default = kind_class(self.kind).default_heads
+        if default is None:
+            return None
+        return self.heads if self.heads is not None else default
 
     def block_layers(self) -> int | None:
         """Layers per block source; None for ``full`` (every sublayer is its own source)."""
@@ -134,17 +152,17 @@ class ResidualConfig:
         return std
 
     def validate(self, model: ModelConfig) -> None:
-        from .model.residual import RESIDUALS  # the registry is the one list of kinds
-
-        if self.kind not in RESIDUALS:
-            raise UsageError(f"unknown residual.kind {self.kind!r}: choose one of {', '.join(sorted(RESIDUALS))}")
+        cls = kind_class(self.kind)
         if self.backend not in ("auto", "reference", "triton"):
             raise UsageError(f"residual.backend must be auto, reference or triton, got {self.backend!r}")
-        if self.kind == "baseline":
-            return
+        # A kind checks the shared keys it reads (and ignores the others, as the baseline ignores them all)
+        # and its own settings.
+        cls.check(self, model)
+
+    def check_routing(self, model: ModelConfig) -> None:
+        """The shared keys of the kinds that route over depth (attnres, mhar, delta): H routing heads that
+        divide d, a grouping that fits the depth, a valid query initialisation."""
         h = self.resolved_heads()
-        if self.kind == "attnres" and h != 1:
-            raise UsageError(f"residual.kind=attnres is single-head; use residual.kind=mhar for residual.heads={h}")
         if h < 1 or model.d_model % h:
             raise UsageError(f"residual.heads={h} does not divide model.d_model={model.d_model}")
         if self.backend == "triton" and h & (h - 1):
@@ -154,6 +172,15 @@ class ResidualConfig:
         if k is not None and k > model.n_layers:
             raise UsageError(f"residual.grouping={self.grouping}: K={k} is larger than model.n_layers={model.n_layers}")
         self.query_std()
+
+
+def kind_class(kind: str) -> Any:
+    """The registered class of a residual kind (``model/residual/__init__.py``, ``RESIDUALS``)."""
+    from .model.residual import RESIDUALS  # the registry is the one list of kinds
+
+    if kind not in RESIDUALS:
+        raise UsageError(f"unknown residual.kind {kind!r}: choose one of {', '.join(RESIDUALS)}")
+    return RESIDUALS[kind]
 
 
 @dataclass
@@ -274,17 +301,18 @@ class RunConfig:
         return self
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Nested sections, as config.yaml holds them; the residual section also holds the run's own kind's
+        settings as a mapping (``residual: {kind: hc, ..., hc: {rate: 4, dynamic: true}}``). Kinds without
+        settings (baseline, attnres, mhar) save exactly what they saved before settings existed."""
+        out = dataclasses.asdict(self)
+        own = self.residual.settings()
+        if own is not None:
+            out["residual"][self.residual.kind] = dataclasses.asdict(own)
+        return out
 
     def flat(self) -> dict[str, Any]:
-        """Dotted keys, for hyperparameter logging and study tables."""
-        out: dict[str, Any] = {}
-        for section, values in self.to_dict().items():
-            if isinstance(values, dict):
-                out.update({f"{section}.{k}": v for k, v in values.items()})
-            else:
-                out[section] = values
-        return out
+        """Dotted keys (``residual.hc.rate``), for hyperparameter logging, study tables and fingerprints."""
+        return flatten(self.to_dict())
 
 
 # --------------------------------------------------------------------------- parsing and merging
@@ -353,18 +381,26 @@ def _section_types(cls: type) -> dict[str, Any]:
     return get_type_hints(cls)
 
 
-def apply(cfg: RunConfig, updates: dict[str, Any], where: str = "") -> None:
-    """Apply a nested or dotted mapping to ``cfg`` in place; unknown keys are errors."""
-    src = f" in {where}" if where else ""
+def flatten(updates: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings to dotted keys: ``{"residual": {"hc": {"rate": 4}}}`` -> ``{"residual.hc.rate": 4}``.
+    No configuration value is itself a mapping, so every mapping is a level of keys."""
     flat: dict[str, Any] = {}
     for k, v in updates.items():
+        key = f"{prefix}{k}"
         if isinstance(v, dict):
-            for kk, vv in v.items():
-                if isinstance(vv, dict):
-                    raise UsageError(f"{k}.{kk}{src}: nested mappings are not configuration values")
-                flat[f"{k}.{kk}"] = vv
+            flat.update(flatten(v, key + "."))
         else:
-            flat[k] = v
+            flat[key] = v
+    return flat
+
+
+def apply(cfg: RunConfig, updates: dict[str, Any], where: str = "") -> None:
+    """Apply a nested or dotted mapping to ``cfg`` in place; unknown keys are errors.
+
+    Keys are ``name`` (top level: ``seed``), ``section.name`` and, for a residual kind's own settings,
+    ``residual.<kind>.<name>``; YAML may nest any of them (``residual: {hc: {rate: 4}}``)."""
+    src = f" in {where}" if where else ""
+    flat = flatten(updates)
     # The preset goes first so that explicit model.* keys override what it sets.
     if "model.preset" in flat:
         load_preset(cfg, str(flat.pop("model.preset")))
@@ -376,6 +412,9 @@ def apply(cfg: RunConfig, updates: dict[str, Any], where: str = "") -> None:
                 raise UsageError(f"unknown config key {key!r}{src}" + (" (it is a section: use section.key=value)" if key in top else ""))
             setattr(cfg, key, _coerce(value, top[key], key))
             continue
+        if parts[0] == "residual" and len(parts) in (2, 3) and parts[1] not in _section_types(ResidualConfig):
+            _apply_kind_setting(cfg.residual, parts, value, key, src)
+            continue
         if len(parts) != 2 or parts[0] not in top or not dataclasses.is_dataclass(top[parts[0]]):
             raise UsageError(f"unknown config key {key!r}{src}")
         section = getattr(cfg, parts[0])
@@ -383,6 +422,23 @@ def apply(cfg: RunConfig, updates: dict[str, Any], where: str = "") -> None:
         if parts[1] not in types:
             raise UsageError(f"unknown config key {key!r}{src}: {parts[0]} has {', '.join(types)}")
         setattr(section, parts[1], _coerce(value, types[parts[1]], key))
+
+
+def _apply_kind_setting(res: ResidualConfig, parts: list[str], value: Any, key: str, src: str) -> None:
+    """``residual.<kind>.<name>=value``: one of a kind's own settings."""
+    from .model.residual import RESIDUALS
+
+    with_settings = [k for k, c in RESIDUALS.items() if c.Settings is not None]
+    kind = parts[1]
+    if kind not in with_settings:
+        raise UsageError(f"unknown config key {key!r}{src}: residual has {', '.join(_section_types(ResidualConfig))}, "
+                         f"and residual.KIND.NAME for the kinds with settings of their own ({', '.join(with_settings)})")
+    types = _section_types(RESIDUALS[kind].Settings)
+    if len(parts) == 2:
+        raise UsageError(f"{key}{src} is a kind's group of settings: use {key}.NAME=value ({', '.join(types)})")
+    if parts[2] not in types:
+        raise UsageError(f"unknown config key {key!r}{src}: residual.{kind} has {', '.join(types)}")
+    setattr(res.settings(kind), parts[2], _coerce(value, types[parts[2]], key))
 
 
 def load_preset(cfg: RunConfig, name: str) -> None:

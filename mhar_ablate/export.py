@@ -170,7 +170,8 @@ def build_table(study) -> StudyTable:
             for r in rows:
                 r[f"best_{col}"] = col in r and r[col][0] == best
     devices = sorted({t.device for t in usable if t.device})
-    backends = sorted({t.backend for t in usable if t.backend not in ("", "none")})
+    # The routers that have a fused GPU kernel (plain-PyTorch variants, "pytorch", have nothing faster).
+    backends = sorted({t.backend for t in usable if t.backend not in ("", "none", "pytorch")})
     note = ""
     if devices == ["cpu"] and backends:
         note = (f"Timed on the CPU with the {'/'.join(backends)} router: wall-clock comparisons measure PyTorch on the "

@@ -331,7 +331,7 @@ def _curve_values(d: StudyDefinition, configs) -> dict[str, Any]:
     for arm in d.arms:
         cfg = configs[(arm, 0)]
         if d.curve == "residual.heads":
-            out[arm] = None if cfg.residual.kind == "baseline" else cfg.residual.resolved_heads()
+            out[arm] = cfg.residual.resolved_heads()  # None for kinds without routing heads
         else:
             out[arm] = cfg.flat().get(d.curve)
     return out

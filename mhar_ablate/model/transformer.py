@@ -55,12 +55,18 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        B, T, _ = x.shape
-        h = self.norm(x)
-        q = self.q_norm(self.q_proj(h).view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(h).view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(h).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+    def forward(self, x: Tensor | tuple[Tensor, Tensor, Tensor], cos: Tensor, sin: Tensor) -> Tensor:
+        if isinstance(x, tuple):
+            # A multiway residual (MUDDFormer) feeds queries, keys and values from separate streams: each
+            # is normalised on its own (its own RMS), through the one gain, which the projection after it
+            # would absorb anyway.
+            hq, hk, hv = (self.norm(t) for t in x)
+        else:
+            hq = hk = hv = self.norm(x)
+        B, T, _ = hq.shape
+        q = self.q_norm(self.q_proj(hq).view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(hk).view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(hv).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.n_kv != self.n_heads:
             # Explicit repeat rather than enable_gqa: it works on every SDPA backend, CPU included.
@@ -127,8 +133,9 @@ class Decoder(nn.Module):
         return F.linear(h, self.embed.weight)
 
     def param_groups(self, weight_decay: float) -> list[dict]:
-        """AdamW groups: matrices decay; norms, embeddings' gains and all routing parameters do not."""
-        routing = {id(p) for p in self.residual.routing_parameters()}
+        """AdamW groups: matrices decay; norms' gains and the residual variant's routing and static
+        parameters (``no_decay_parameters``) do not."""
+        routing = {id(p) for p in self.residual.no_decay_parameters()}
         decay, no_decay, route = [], [], []
         for name, p in self.named_parameters():
             if not p.requires_grad:

@@ -47,16 +47,11 @@ def quiet_lightning() -> None:
 
 
 def arm_label(cfg: RunConfig) -> str:
-    """What an arm is, in a few characters: baseline, attnres, mhar-h8, mhar-h8-block:4, ..."""
-    r = cfg.residual
-    if r.kind == "baseline":
-        return "baseline"
-    label = "attnres" if r.kind == "attnres" else f"mhar-h{r.resolved_heads()}"
-    if r.grouping != "full":
-        label += f"-{r.grouping}"
-    if r.query_init != "zeros":
-        label += f"-q{r.query_init}"
-    return label
+    """What an arm is, in a few characters: baseline, attnres, mhar-h8, mhar-h8-block:4, hc-n4, ...
+    (each kind's ``label`` in the registry, model/residual)."""
+    from ..config import kind_class
+
+    return kind_class(cfg.residual.kind).label(cfg.residual)
 
 
 def new_run_dir(output: Path, cfg: RunConfig) -> Path:
@@ -258,11 +253,10 @@ def _quiet(msg: str) -> None:
 
 
 def _backend_name(cfg: RunConfig) -> str:
-    if cfg.residual.kind == "baseline":
-        return "none"
-    if cfg.residual.backend == "auto":
-        return "triton" if torch.cuda.is_available() else "reference"
-    return cfg.residual.backend
+    """What computes the routing (results' ``routing_backend``): none, pytorch, reference or triton."""
+    from ..config import kind_class
+
+    return kind_class(cfg.residual.kind).backend_name(cfg.residual, torch.cuda.is_available())
 
 
 def _hparams(cfg: RunConfig) -> dict[str, Any]:

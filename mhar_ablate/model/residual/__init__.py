@@ -8,23 +8,67 @@ A variant decides what each sublayer reads and how its output is kept. The decod
         residual.write(state, site, sublayer(x))
     h = residual.finish(state)                 # what the output norm sees
 
-Adding a variant is one module with a class that implements ``Residual`` and one line in ``RESIDUALS``.
+``read`` returns one tensor (B, T, d), or for an attention site of a multiway variant (MUDDFormer) a
+triple (queries', keys', values' input), which the attention normalises one by one.
+
+A variant is one module: its class implements ``Residual`` and carries, as class attributes, what the
+rest of the package asks of a kind without building a model: its settings (a small dataclass whose
+fields are the ``residual.<kind>.<name>`` keys), the shared ``residual.*`` keys it reads, its check of
+the configuration, its label in run names and tables, whether it has a fused GPU path, whether it
+records depth weights, and the rows it adds to ``mhar-ablate bench model``. ``RESIDUALS`` below is the one
+list of kinds: the configuration, the command line, studies, results, export and ``bench model`` read it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, ClassVar
 
+import torch
 from torch import Tensor, nn
 
 
 class Residual(nn.Module):
     """Interface of a residual-stream variant; ``state`` is whatever object the variant needs."""
 
+    # ------------------------------------------------------------------ what the registry knows of a kind
+    Settings: ClassVar[type | None] = None  # its own settings: fields = the residual.<kind>.<name> keys
+    # The shared residual.* keys it reads, of heads, grouping, query_init, backend; the others it ignores.
+    shared: ClassVar[tuple[str, ...]] = ()
+    default_heads: ClassVar[int | None] = None  # routing heads when residual.heads is unset; None: no heads
+    fused_path: ClassVar[bool] = False  # a fused GPU path, chosen by residual.backend
+    # Records depth weights (TensorBoard's routing/depth_weights, routing.png): such a variant honours
+    # ``record`` (set by the training loop: True/False force recording on or off, None records on every
+    # eval-mode forward) and returns them from ``last_weights``. The others return None there.
+    depth_weights: ClassVar[bool] = False
+
+    @classmethod
+    def check(cls, cfg: Any, model: Any) -> None:
+        """Refuse a bad configuration with one ``UsageError`` line (``cfg``: ResidualConfig, ``model``:
+        ModelConfig), before anything is built."""
+
+    @classmethod
+    def label(cls, cfg: Any) -> str:
+        """What an arm of this kind is, in a few characters (run folders, result files, tables)."""
+        return cfg.kind
+
+    @classmethod
+    def backend_name(cls, cfg: Any, cuda: bool) -> str:
+        """What computes the routing, for results (``routing_backend``): plain PyTorch unless fused."""
+        return "pytorch"
+
+    @classmethod
+    def bench_variants(cls) -> dict[str, dict[str, str]]:
+        """``bench model`` rows of a kind without a fused path: row name -> its residual.<kind>.* overrides.
+        (Kinds with a fused path get the grouping x path rows instead, see bench.py.)"""
+        return {cls.kind: {}}
+
+    kind: ClassVar[str] = ""  # set by the registry below
+
+    # ------------------------------------------------------------------ one forward pass
     def start(self, x0: Tensor) -> Any:
         raise NotImplementedError
 
-    def read(self, state: Any, site: int) -> Tensor:
+    def read(self, state: Any, site: int) -> Tensor | tuple[Tensor, Tensor, Tensor]:
         raise NotImplementedError
 
     def write(self, state: Any, site: int, out: Tensor) -> None:
@@ -33,25 +77,46 @@ class Residual(nn.Module):
     def finish(self, state: Any) -> Tensor:
         raise NotImplementedError
 
-    record: bool | None = None  # whether forward passes record depth weights (see last_weights)
-
-    def routing_parameters(self) -> list[nn.Parameter]:
-        """Parameters that take no weight decay (routing queries and key gains)."""
+    # ------------------------------------------------------------------ training
+    def no_decay_parameters(self) -> list[nn.Parameter]:
+        """Parameters that take no weight decay: routing queries and key gains, static mixing weights,
+        gates and scales. Decay would pull them toward zero, away from the identity-like start most
+        variants depend on; the variants' projection matrices decay like any other matrix."""
         return []
 
     def last_weights(self) -> list[Tensor] | None:
-        """Per routing site, the depth weights of the last recorded forward pass, (sources, heads)."""
+        """Per routing site, the depth weights of the last recorded forward pass, (sources, heads); None
+        for variants without depth weights (``depth_weights = False``)."""
         return None
 
 
+def separate_rng():
+    """A context for a variant's random initial values that leaves the (CPU) generator where it was: the
+    decoder initialises its attention and MLP weights after building the residual, so at one seed every
+    kind starts from the baseline's sublayer weights, and arms are compared from the same start."""
+    return torch.random.fork_rng(devices=[])
+
+
 from .baseline import BaselineResidual  # noqa: E402  (the variants import Residual above)
+from .delta import DeltaResidual  # noqa: E402
+from .denseformer import DenseFormerResidual  # noqa: E402
+from .hc import HyperConnections  # noqa: E402
+from .mhc import ManifoldHyperConnections  # noqa: E402
+from .muddformer import MUDDFormerResidual  # noqa: E402
 from .routed import AttnResResidual, MHARResidual  # noqa: E402
 
-RESIDUALS: dict[str, Callable[..., Residual]] = {
+RESIDUALS: dict[str, type[Residual]] = {
     "baseline": BaselineResidual,
     "attnres": AttnResResidual,
     "mhar": MHARResidual,
+    "delta": DeltaResidual,
+    "hc": HyperConnections,
+    "mhc": ManifoldHyperConnections,
+    "denseformer": DenseFormerResidual,
+    "muddformer": MUDDFormerResidual,
 }
+for _kind, _cls in RESIDUALS.items():
+    _cls.kind = _kind
 
 
 def build_residual(cfg: Any, model: Any) -> Residual:

@@ -10,6 +10,10 @@ from . import Residual
 
 
 class BaselineResidual(Residual):
+    @classmethod
+    def backend_name(cls, cfg: Any, cuda: bool) -> str:
+        return "none"  # nothing routes (what results have always said for the baseline)
+
     def __init__(self, cfg: Any = None, model: Any = None):
         super().__init__()
 

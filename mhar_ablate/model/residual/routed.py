@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ...errors import UsageError
 from ...kernels.reference import routing_weights
 from ...ops import mhar_route
 from . import Residual
@@ -39,6 +40,34 @@ class RoutedState:
 
 
 class MHARResidual(Residual):
+    shared = ("heads", "grouping", "query_init", "backend")
+    fused_path = True
+    depth_weights = True
+    default_heads = 8
+
+    @classmethod
+    def check(cls, cfg: Any, model: Any) -> None:
+        cfg.check_routing(model)
+
+    @classmethod
+    def label(cls, cfg: Any) -> str:
+        """mhar-h8, mhar-h8-block:4, mhar-h4-qnormal:0.1, ..."""
+        return cls.routed_label(cfg, f"{cls.kind}-h{cfg.resolved_heads()}")
+
+    @staticmethod
+    def routed_label(cfg: Any, label: str) -> str:
+        if cfg.grouping != "full":
+            label += f"-{cfg.grouping}"
+        if cfg.query_init != "zeros":
+            label += f"-q{cfg.query_init}"
+        return label
+
+    @classmethod
+    def backend_name(cls, cfg: Any, cuda: bool) -> str:
+        if cfg.backend == "auto":
+            return "triton" if cuda else "reference"
+        return cfg.backend
+
     def __init__(self, cfg: Any, model: Any):
         super().__init__()
         d = model.d_model
@@ -64,7 +93,11 @@ class MHARResidual(Residual):
         self._weights: list[Tensor | None] = [None] * self.n_sites
 
     def routing_parameters(self) -> list[nn.Parameter]:
+        """The routing queries and key gains (the fused path hands their gradients over in one piece)."""
         return [self.query, self.key_weight]
+
+    def no_decay_parameters(self) -> list[nn.Parameter]:
+        return self.routing_parameters()
 
     def num_sources(self, site: int) -> int:
         """How many sources the given site mixes (site 2L is the final one)."""
@@ -143,3 +176,17 @@ def _fused_write(state: FusedState, site: int, out: Tensor) -> None:
 
 class AttnResResidual(MHARResidual):
     """Single-head Attention Residuals: MHAR with H = 1 (the config refuses any other H)."""
+
+    shared = ("grouping", "query_init", "backend")  # and heads, which must be 1
+    default_heads = 1
+
+    @classmethod
+    def check(cls, cfg: Any, model: Any) -> None:
+        h = cfg.resolved_heads()
+        if h != 1:
+            raise UsageError(f"residual.kind=attnres is single-head; use residual.kind=mhar for residual.heads={h}")
+        cfg.check_routing(model)
+
+    @classmethod
+    def label(cls, cfg: Any) -> str:
+        return cls.routed_label(cfg, "attnres")
