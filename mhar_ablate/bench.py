@@ -332,10 +332,19 @@ def run_variant(v: Variant, args: argparse.Namespace, batch: int, seq: int, voca
         torch.cuda.empty_cache()
 
 
+def _heads(v: Variant, heads: int) -> int | None:
+    """The routing heads of a row: --heads for kinds that read residual.heads, 1 for AttnRes, else none."""
+    from .model.residual import RESIDUALS
+
+    if v.routing == "attnres":
+        return 1
+    return heads if "heads" in RESIDUALS[v.routing].shared else None
+
+
 def _new_row(v: Variant, args: argparse.Namespace, cuda_graph: bool) -> dict[str, Any]:
     return {
         "variant": v.name + ("-graph" if cuda_graph else ""), "routing": v.routing,
-        "heads": None if v.routing == "baseline" else (1 if v.routing == "attnres" else args.heads),
+        "heads": _heads(v, args.heads),
         "grouping": v.grouping, "path": v.path, "compiled": v.compiled,
         "compile_mode": args.compile_mode if v.compiled else None, "cuda_graph": cuda_graph, "sites_per_pass": None,
         "tokens_per_s": None, "peak_gb": None, "step_ms": None, "routing_ms": None, "rest_ms": None,
