@@ -159,8 +159,14 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
         torch._dynamo.reset()
     module = LMModule(cfg, vocab, autocast=autocast_for(cfg))
     params, base_params, overhead = routing_overhead(cfg.model, cfg.residual, vocab)
+    dm.start_step = cfg.train.first_batch
     if ckpt_path is not None:
-        dm.start_step = int(read_checkpoint(ckpt_path)["global_step"])  # the data continue where the run stopped
+        # The data continue where the run stopped.
+        dm.start_step += int(read_checkpoint(ckpt_path)["global_step"])
+    elif cfg.train.init:
+        from ..model.weights import load_initial, read_state_dict
+
+        load_initial(module.model, read_state_dict(cfg.train.init), f"train.init={cfg.train.init}")
 
     budget = Budget(cfg.train.budget, cfg.train.steps, cfg.train.time)
     tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
