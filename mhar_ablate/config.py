@@ -270,6 +270,8 @@ class TrainConfig:
     # of this package (``checkpoints/last.ckpt``), read without unpickling. Every non-routing parameter
     # must be in it with its shape; routing parameters it lacks keep the kind's initial values (delta's
     # zero gate: the run starts computing exactly what the file's model computed). The optimiser is fresh.
+    # (Its existence is checked when the run starts: a study's source stage writes it after the arms'
+    # configs are built.)
     init: str | None = None
     # The training stream's first batch number: a continued run reads on from where its source stopped
     # (batch i depends on (seed, i) only) instead of replaying the batches the source trained on.
@@ -297,8 +299,6 @@ class TrainConfig:
             raise UsageError(f"train.precision must be auto, fp32 or bf16, got {self.precision!r}")
         if self.first_batch < 0:
             raise UsageError(f"train.first_batch must be >= 0, got {self.first_batch}")
-        if self.init is not None and not Path(self.init).is_file():
-            raise UsageError(f"train.init: no such file: {self.init}")
 
 
 @dataclass
