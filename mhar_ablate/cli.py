@@ -47,6 +47,18 @@ def build_parser() -> argparse.ArgumentParser:
     _common(t)
     t.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. residual.heads=4")
 
+    c = sub.add_parser("convert", help="attach MHAR's delta form to a trained baseline or Qwen3 model: a new run "
+                                         "folder at step 0 that computes what the source does")
+    c.add_argument("source", help="a baseline run folder or checkpoint of this package, or a local Hugging Face "
+                                  "Qwen3 folder (config.json + *.safetensors)")
+    c.add_argument("--heads", type=int, required=True, metavar="H", help="routing heads of the delta branch")
+    c.add_argument("--blocks", type=int, required=True, metavar="N", help="blocks the layers are grouped into "
+                                                                          "(must divide the layer count)")
+    c.add_argument("--config", metavar="FILE", help="YAML with data/optim/train sections for the continuation")
+    _budget_args(c)
+    _common(c)
+    c.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides for the continuation")
+
     s = sub.add_parser("study", help="run (or resume) the study defined in studies/NAME.yaml under one budget")
     s.add_argument("name", help="a study in studies/ (heads, grouping, query_init, budget) or a YAML path")
     _budget_args(s)
@@ -157,6 +169,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0 if result["status"] == "completed" else 1
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .convert import convert
+
+    if args.heads < 1 or args.blocks < 1:
+        raise UsageError(f"--heads and --blocks must be at least 1, got {args.heads} and {args.blocks}")
+    output = Path(args.output)
+    run_dir = convert(args.source, args.heads, args.blocks, output, args.config, _overrides(args))
+    print(f"run folder: {run_dir} (step 0; its weights: {run_dir / 'init.safetensors'})")
+    print(f"train it with: mhar-ablate train --output {output} --resume {run_dir.name}")
+    return 0
+
+
 def cmd_study(args: argparse.Namespace) -> int:
     from .study import StudyDefinition, StudyRun, run_study
     from .training.stop import stop_on_signals
@@ -247,7 +271,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run(args)
 
 
-COMMANDS = {"bench": cmd_bench, "train": cmd_train, "study": cmd_study, "export": cmd_export, "tensorboard": cmd_tensorboard,
+COMMANDS = {"bench": cmd_bench, "convert": cmd_convert, "train": cmd_train, "study": cmd_study, "export": cmd_export, "tensorboard": cmd_tensorboard,
             "info": cmd_info}
 
 
@@ -257,7 +281,7 @@ def _attach_negative_values(argv: list[str]) -> list[str]:
     out: list[str] = []
     for a in argv:
         if out and out[-1] in ("--time", "--steps", "--seeds", "--trials", "--workers", "--devices", "--trials-per-gpu",
-                               "--heartbeat") and re.match(r"-[0-9.]", a):
+                               "--heartbeat", "--heads", "--blocks") and re.match(r"-[0-9.]", a):
             out[-1] = f"{out[-1]}={a}"
         else:
             out.append(a)

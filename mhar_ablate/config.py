@@ -72,6 +72,9 @@ class ModelConfig:
     vocab_size: int | None = None  # None: the tokenizer's vocabulary
     rope_theta: float = 1_000_000.0
     norm_eps: float = 1e-6
+    # The output projection is the input embedding (the presets, small Qwen3 models); false: a separate
+    # lm_head matrix, as larger Qwen3 checkpoints have (``mhar-ablate convert`` sets it from the source).
+    tie_embeddings: bool = True
 
     def validate(self) -> None:
         for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn", "seq_len"):
@@ -187,7 +190,7 @@ def kind_class(kind: str) -> Any:
 class DataConfig:
     source: str = "stdlib"  # stdlib | a path to a file or folder of .txt/.jsonl/.json/.parquet | hub:NAME
     text_field: str = "text"  # the column holding text in JSON lines / Parquet / hub datasets
-    tokenizer: str = "byte"  # byte | bpe
+    tokenizer: str = "byte"  # byte | bpe | a tokenizer.json file (a Hugging Face `tokenizers` file)
     vocab_size: int = 4096  # for bpe
     val_fraction: float = 0.01
     val_sequences: int = 64  # cap on the validation set (sequences of model.seq_len + 1 tokens)
@@ -195,7 +198,10 @@ class DataConfig:
 
     def validate(self) -> None:
         if self.tokenizer not in ("byte", "bpe"):
-            raise UsageError(f"data.tokenizer must be byte or bpe, got {self.tokenizer!r}")
+            if not self.tokenizer.endswith(".json"):
+                raise UsageError(f"data.tokenizer must be byte, bpe or a tokenizer.json file, got {self.tokenizer!r}")
+            if not Path(self.tokenizer).is_file():
+                raise UsageError(f"data.tokenizer: no such file: {self.tokenizer}")
         if self.tokenizer == "bpe" and not 260 <= self.vocab_size <= 1_000_000:
             raise UsageError(f"data.vocab_size must be between 260 and 1,000,000, got {self.vocab_size}")
         if not 0 < self.val_fraction < 0.5:
@@ -260,6 +266,16 @@ class TrainConfig:
     # Processes (GPUs, or CPU process groups) per run, through Lightning's DDP. batch_size stays the
     # global batch (each rank takes batch_size / devices rows of it), so steps mean the same at any N.
     devices: int = 1
+    # Weights a run starts from when it has no checkpoint of its own: a safetensors file or a checkpoint
+    # of this package (``checkpoints/last.ckpt``), read without unpickling. Every non-routing parameter
+    # must be in it with its shape; routing parameters it lacks keep the kind's initial values (delta's
+    # zero gate: the run starts computing exactly what the file's model computed). The optimiser is fresh.
+    # (Its existence is checked when the run starts: a study's source stage writes it after the arms'
+    # configs are built.)
+    init: str | None = None
+    # The training stream's first batch number: a continued run reads on from where its source stopped
+    # (batch i depends on (seed, i) only) instead of replaying the batches the source trained on.
+    first_batch: int = 0
 
     def validate(self) -> None:
         if self.budget not in ("steps", "wallclock"):
@@ -281,6 +297,8 @@ class TrainConfig:
                              "(it is the global batch, split evenly between the processes)")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise UsageError(f"train.precision must be auto, fp32 or bf16, got {self.precision!r}")
+        if self.first_batch < 0:
+            raise UsageError(f"train.first_batch must be >= 0, got {self.first_batch}")
 
 
 @dataclass

@@ -169,6 +169,13 @@ def build_table(study) -> StudyTable:
             best = min(vals)
             for r in rows:
                 r[f"best_{col}"] = col in r and r[col][0] == best
+    source = attrs.get("source_losses") or {}
+    if source:
+        # The source checkpoint's own loss (continued pretraining): where both continuations started.
+        # Not a contestant: no bold, no difference; the arms' Δ is against the baseline (plain) arm.
+        start = _mean_std([float(v) for v in source.values()])
+        rows.append({"arm": START_ROW, "n": len(source), "diverged": 0, "pruned": 0, "start": True,
+                     "loss_at_steps": start, "loss_at_time": start})
     devices = sorted({t.device for t in usable if t.device})
     # The routers that have a fused GPU kernel (plain-PyTorch variants, "pytorch", have nothing faster).
     backends = sorted({t.backend for t in usable if t.backend not in ("", "none", "pytorch")})
@@ -192,6 +199,7 @@ SHARED_COLUMNS = (4, 5, 6)  # val loss @ T, its Δ, throughput: the columns that
 
 # --------------------------------------------------------------------------- rendering
 
+START_ROW = "start (source checkpoint)"
 HEADERS = ["arm", "n", "val loss @ {steps} steps", "Δ vs baseline", "val loss @ {time}", "Δ vs baseline",
            "throughput vs baseline", "peak mem (GB)", "params Δ"]
 
@@ -211,6 +219,8 @@ def _cells(table: StudyTable, row: dict[str, Any], bold) -> list[str]:
     def delta(col):
         d = row.get(col)
         if d is None:
+            if row.get("start"):
+                return "(start)"
             return "–" if row["arm"] != table.baseline else "(baseline)"
         m, half, n = d
         return f"{m:+.4f}" + (f" [{m - half:+.4f}, {m + half:+.4f}]" if not math.isnan(half) else " (n=1)")
@@ -237,6 +247,10 @@ def render(table: StudyTable, fmt: str) -> str:
         lines += ["| " + " | ".join(_cells(table, r, lambda s: f"**{s}**")) + " |" for r in table.rows]
         lines += ["", "Mean ± std over seeds; Δ is the paired difference to the baseline arm with its 95 % "
                   "t-interval over seeds; bold marks the lowest loss in a column."]
+        if any(r.get("start") for r in table.rows):
+            lines.append(f"Continued pretraining: Δ is the gain over plain continued training (the {table.baseline} arm: "
+                         "same start, data order, schedule and batches), not over the start; the start row is the "
+                         "source checkpoint's validation loss before either continuation.")
         if table.backend_note:
             lines.append(table.backend_note)
         if table.missing:
@@ -387,7 +401,7 @@ def verdicts(tables: list[StudyTable]) -> str:
     lines = []
     for t in tables:
         for col, what in (("loss_at_steps", f"at {int(t.at_step)} steps"), ("loss_at_time", f"at {_fmt_time(t.at_seconds)}")):
-            ranked = sorted((r for r in t.rows if col in r), key=lambda r: r[col][0])
+            ranked = sorted((r for r in t.rows if col in r and not r.get("start")), key=lambda r: r[col][0])
             if ranked:
                 lines.append(f"{t.budget} budget, {what}: " + " < ".join(r["arm"] for r in ranked))
     return "\n".join(lines)

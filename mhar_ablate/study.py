@@ -40,8 +40,14 @@ class StudyDefinition:
     budgets: dict[str, str | int]
     curve: str | None = None  # a config key to plot the loss against (the head count for `heads`)
     path: Path = field(default_factory=Path)
+    # A source stage (continued pretraining, `cpt`): settings of a baseline run pretrained once per seed,
+    # for every arm and both budgets; each arm starts from its seed's source (train.init) and reads on in
+    # its data stream (train.first_batch). None: every arm starts from scratch.
+    source: dict[str, Any] | None = None
 
-    KEYS = ("description", "fixed", "arms", "baseline", "seeds", "budgets", "curve")
+    KEYS = ("description", "fixed", "arms", "baseline", "seeds", "budgets", "curve", "source")
+    # Set for every arm from the source stage.
+    SOURCE_KEYS = ("train.init", "train.first_batch")
 
     @classmethod
     def load(cls, name: str) -> "StudyDefinition":
@@ -62,9 +68,31 @@ class StudyDefinition:
         seeds = data.get("seeds", 2)
         if not isinstance(seeds, int) or seeds < 1:
             raise UsageError(f"{path}: seeds must be a positive integer")
+        source = data.get("source")
+        if source is not None:
+            if not isinstance(source, dict):
+                raise UsageError(f"{path}: 'source' must map config keys to values (the pretrained stage's settings)")
+            if "seed" in source:
+                raise UsageError(f"{path}: the source stage takes each arm's seed; drop 'seed' from 'source'")
+            clash = sorted({k for arm in arms.values() for k in (arm or {})} & set(cls.SOURCE_KEYS))
+            if clash:
+                raise UsageError(f"{path}: {', '.join(clash)} are set from the source stage, not by an arm")
         return cls(name=Path(name).stem, description=str(data.get("description", "")), fixed=dict(data.get("fixed") or {}),
                    arms={str(k): dict(v or {}) for k, v in arms.items()}, baseline=baseline, seeds=seeds,
-                   budgets=dict(budgets), curve=data.get("curve"), path=path)
+                   budgets=dict(budgets), curve=data.get("curve"), path=path, source=dict(source) if source else None)
+
+    def source_config(self, seed: int, overrides: dict[str, Any]) -> RunConfig:
+        """The source stage's config at ``seed``: the study's fixed settings, the source's own, and the
+        command line's except the budget (which is the continuation's: the source has its own length)."""
+        over = {k: v for k, v in overrides.items() if k not in ("train.budget", "train.steps", "train.time")}
+        try:
+            cfg = build_config(overrides={**over, "seed": seed}, base={**self.fixed, **(self.source or {})})
+        except UsageError as e:
+            raise UsageError(f"source stage: {e}") from None
+        if cfg.residual.kind != "baseline" or cfg.train.budget != "steps":
+            raise UsageError(f"{self.path}: the source stage must be residual.kind=baseline under train.budget=steps "
+                             f"(got {cfg.residual.kind}, {cfg.train.budget}): the arms convert it and read on at its step count")
+        return cfg
 
     def check_overrides(self, overrides: dict[str, Any]) -> None:
         varied = sorted({k for arm in self.arms.values() for k in arm} & set(overrides))
@@ -111,14 +139,30 @@ class StudyRun:
     def folder(self) -> Path:
         return self.output / "studies" / self.definition.name / self.budget
 
+    def source_dir(self, seed: int) -> Path:
+        """A source run, shared by both budgets of the study."""
+        return self.output / "studies" / self.definition.name / "source" / f"s{seed}"
+
     def grid(self) -> list[tuple[str, int]]:
         return [(arm, seed) for arm in self.definition.arms for seed in range(self.seeds)]
 
     def configs(self) -> dict[tuple[str, int], RunConfig]:
         """Every grid point's config, built (and so validated) before anything trains."""
         self.definition.check_overrides(self.overrides)
-        return {(arm, seed): self.definition.arm_config(arm, seed, self.budget, self.overrides)
-                for arm, seed in self.grid()}
+        configs = {(arm, seed): self.definition.arm_config(arm, seed, self.budget, self.overrides)
+                   for arm, seed in self.grid()}
+        if self.definition.source is not None:
+            for (arm, seed), cfg in configs.items():
+                src = self.definition.source_config(seed, self.overrides)
+                # Every arm of a seed starts from the same weights and reads the same batches after them.
+                cfg.train.init = str((self.source_dir(seed) / "checkpoints" / "last.ckpt").resolve())
+                cfg.train.first_batch = src.train.steps
+        return configs
+
+    def source_configs(self) -> dict[int, RunConfig]:
+        if self.definition.source is None:
+            return {}
+        return {seed: self.definition.source_config(seed, self.overrides) for seed in range(self.seeds)}
 
     def fingerprint(self, configs: dict[tuple[str, int], RunConfig]) -> str:
         """Identity of what the study measures: the arms' configs minus the seed."""
@@ -241,10 +285,11 @@ def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = _log) -> dic
 
     from .workers import make_pruner, plan, queue_grid, run_workers
 
-    configs = sr.configs()  # validates every arm before any training
+    configs = sr.configs()  # validates every arm (and the source stage) before any training
     devices = next(iter(configs.values())).train.devices
     slots = plan(sr.workers, devices, sr.trials_per_gpu, sr.budget)  # fits the machine, or one line why not
-    corpora = check_data(configs.values(), sr.output / "cache")  # cached once here, before any worker starts
+    # Cached once here, before any worker starts (the source stage's corpus too).
+    corpora = check_data([*configs.values(), *sr.source_configs().values()], sr.output / "cache")
     fingerprint = sr.fingerprint(configs)
     sr.output.mkdir(parents=True, exist_ok=True)
     grid = sr.grid()
@@ -281,6 +326,14 @@ def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = _log) -> dic
         queue_grid(study, grid)
 
     try:
+        # The source stage (continued pretraining) trains here, in this process, before any arm: every
+        # arm of a seed starts from its checkpoint. Under SQLite this command holds the study alone.
+        sources = train_sources(sr, log, stop)
+        if sources is None:
+            return {"study": sr.key, "done": 0, "ran": 0, "diverged": 0, "pruned": 0, "interrupted": True,
+                    "folder": str(sr.folder), "storage": redact(url), "workers": len(slots)}
+        if sources and study.user_attrs.get("source_losses") != sources:
+            study.set_user_attr("source_losses", sources)
         tuned = tune_arms(sr, configs, storage, log, stop, url) if sr.tune else {}
 
         def finished() -> set[str]:
@@ -321,6 +374,33 @@ def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = _log) -> dic
     finally:
         if held is not None:
             os.close(held)
+
+
+def train_sources(sr: StudyRun, log, stop) -> dict[str, float] | None:
+    """Train (or resume, or find finished) each seed's source run; return {seed: final validation loss},
+    or None when interrupted. A source folder trained with another configuration is refused, not reused."""
+    from .training.run import load_run_config, train_run
+
+    losses: dict[str, float] = {}
+    for seed, cfg in sr.source_configs().items():
+        folder = sr.source_dir(seed)
+        if (folder / "config.yaml").is_file() and load_run_config(folder).flat() != cfg.flat():
+            raise UsageError(f"{folder} was trained with another configuration than study {sr.definition.name!r}'s "
+                             "source stage now has; use another --output folder")
+        result_file = folder / "result.json"
+        result = json.loads(result_file.read_text()) if result_file.is_file() else None
+        if result is None or result.get("status") != "completed":
+            log(f"source s{seed}: pretraining {_budget_text(cfg)} (shared by every arm and both budgets)")
+            result = train_run(cfg, folder, sr.output / "cache", resume=True, log=log, title=f"source s{seed}: ",
+                               stop=stop, position=1, log_evals=False)
+            if result["status"] == "interrupted":
+                log(f"source s{seed}: interrupted; rerun the same command to resume it")
+                return None
+            if result["status"] != "completed":
+                raise UsageError(f"source s{seed} of study {sr.definition.name!r} {result['status']} "
+                                 f"({result.get('reason')}): its arms have nothing to start from")
+        losses[str(seed)] = float(result["final_val_loss"])
+    return losses
 
 
 def _curve_values(d: StudyDefinition, configs) -> dict[str, Any]:

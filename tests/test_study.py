@@ -159,3 +159,58 @@ def test_pruning_reports_at_steps_or_training_seconds():
     report = _pruning_reporter(t, "wallclock")
     report(10, 1.4, 4.0); report(12, 1.9, 3.9); report(30, 7.2, 3.0)
     assert [s for _, s in t.reports] == [1, 7]  # whole training seconds, one report per second
+
+
+def test_cpt_study_pretrains_once_and_continues_both_ways(tmp_path, capsys):
+    """The source stage trains once per seed for both budgets; plain and delta start from its weights (their
+    step-0 loss is its final one, exactly) and read the same batches after it; the export reports Δ against
+    plain continued training with the start as its own row."""
+    path = tmp_path / "cpt.yaml"
+    path.write_text(
+        "description: cpt\nfixed: {model.preset: tiny}\n"
+        "source: {residual.kind: baseline, train.budget: steps, train.steps: 4}\n"
+        "arms:\n  plain: {residual.kind: baseline}\n"
+        "  delta-h2-b2: {residual.kind: delta, residual.heads: 2, residual.grouping: 'block:2'}\n"
+        "baseline: plain\nseeds: 1\nbudgets: {steps: 3, wallclock: 1s}\n")
+    definition = StudyDefinition.load(str(path))
+    lines: list[str] = []
+    steps = StudyRun(definition, "steps", tmp_path / "out", dict(FAST), seeds=1)
+    assert run_study(steps, log=lines.append)["done"] == 2
+    source = json.loads((steps.source_dir(0) / "result.json").read_text())
+    assert source["status"] == "completed" and source["step"] == 4
+    for arm in ("plain", "delta-h2-b2"):
+        result = json.loads((steps.folder / f"{arm}-s0" / "result.json").read_text())
+        assert result["curve"][0]["step"] == 0 and result["curve"][0]["val_loss"] == source["final_val_loss"]
+    configs = steps.configs()
+    assert {c.train.first_batch for c in configs.values()} == {4}  # both read on after the source's batches
+    wall = StudyRun(definition, "wallclock", tmp_path / "out", dict(FAST), seeds=1)
+    assert run_study(wall, log=lines.append)["done"] == 2
+    assert sum("source s0: pretraining" in line for line in lines) == 1  # shared by both budgets
+    (study,) = load_studies(tmp_path / "out", "cpt", "steps", None)
+    table = build_table(study)
+    start = next(r for r in table.rows if r.get("start"))
+    assert start["loss_at_steps"][0] == pytest.approx(source["final_val_loss"])
+    text = render(table, "md")
+    assert "| start (source checkpoint) | 1 |" in text and "(start)" in text and "gain over plain" in text
+
+
+def test_cpt_study_file_builds_every_arm_from_one_source():
+    d = StudyDefinition.load("cpt")
+    sr = StudyRun(d, "steps", Path("/tmp/cpt-check"), {}, seeds=d.seeds)
+    configs = sr.configs()
+    assert len(d.arms) == 7 and d.baseline == "plain"
+    kinds = {(c.residual.kind, c.residual.resolved_heads(), c.residual.grouping) for (a, s), c in configs.items()}
+    assert kinds == {("baseline", None, "full")} | {("delta", h, g) for h in (1, 4, 8) for g in ("block:2", "block:1")}
+    for (arm, seed), c in configs.items():
+        assert c.train.init == str(sr.source_dir(seed).resolve() / "checkpoints" / "last.ckpt")
+        assert c.train.first_batch == 300
+    src = sr.source_configs()[0]
+    assert src.residual.kind == "baseline" and src.train.steps == 300
+
+
+def test_source_stage_must_be_a_baseline_under_steps(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("fixed: {}\nsource: {residual.kind: mhar}\narms:\n  plain: {residual.kind: baseline}\n")
+    sr = StudyRun(StudyDefinition.load(str(path)), "steps", tmp_path / "out", {}, seeds=1)
+    with pytest.raises(UsageError, match="source stage must be residual.kind=baseline"):
+        sr.configs()

@@ -175,7 +175,9 @@ def test_divergence_stops_with_a_clear_status(tmp_path):
     cfg = cfg_for(tmp_path, train__steps=40, optim__lr=1e6, optim__warmup=0, optim__grad_clip=0)
     r = train_run(cfg, tmp_path / "run", tmp_path / "cache", log=lambda s: None)
     assert r["status"] == "diverged"
-    assert "loss became" in r["reason"]
+    # Which turns non-finite first, the loss or the gradient norm, depends on the corpus, which is this
+    # package's own source text (it changes with every edit): either is a clear reason.
+    assert any(f"{what} became" in r["reason"] for what in ("loss", "gradient norm")), r["reason"]
     assert r["step"] < 40
     saved = json.loads((tmp_path / "run" / "result.json").read_text())
     assert saved["status"] == "diverged" and saved["curve"]

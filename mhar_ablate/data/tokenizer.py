@@ -1,4 +1,5 @@
-"""Tokenisers: raw bytes (256 ids, nothing to train) and a byte-level BPE trained locally and cached.
+"""Tokenisers: raw bytes (256 ids, nothing to train), a byte-level BPE trained locally and cached, and a
+given ``tokenizer.json`` file (``data.tokenizer=PATH``: a converted model's own tokenizer).
 
 Both turn text into ids and back and end every document with ``eos_id``. The BPE is trained with the
 `tokenizers` library on a bounded, evenly spread sample of the source (a few seconds on two cores) and
@@ -131,5 +132,33 @@ def load_bpe(source: Source, vocab_size: int, root: Path) -> BpeTokenizer:
     return BpeTokenizer(tokenizers.Tokenizer.from_file(str(path)), manifest["sha256"])
 
 
+class FileTokenizer(BpeTokenizer):
+    """A `tokenizers` file given by path. Its end of document is ``<|endoftext|>`` (what Qwen3's tokenizer
+    and this package's BPE both have); the file's SHA-256 is part of the token cache's key."""
+
+    name = "file"
+
+    def __init__(self, path: Path):
+        import tokenizers
+
+        from ..errors import UsageError
+        from .cache import file_sha256
+
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # the library raises a bare Exception for a malformed file
+            raise UsageError(f"data.tokenizer={path}: not a tokenizers file ({str(e).splitlines()[0][:120]})") from None
+        if tok.token_to_id(EOS) is None:
+            raise UsageError(f"data.tokenizer={path}: has no {EOS} token to end documents with")
+        super().__init__(tok, file_sha256(path))
+
+    def spec(self) -> dict[str, Any]:
+        return {"kind": "file", "vocab_size": self.vocab_size, "sha256": self.sha256}
+
+
 def load_tokenizer(kind: str, vocab_size: int, source: Source, root: Path) -> Tokenizer:
-    return ByteTokenizer() if kind == "byte" else load_bpe(source, vocab_size, root)
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "bpe":
+        return load_bpe(source, vocab_size, root)
+    return FileTokenizer(Path(kind))

@@ -1,7 +1,8 @@
 """A Qwen3-style decoder whose residual stream is pluggable (see ``residual/``).
 
 RMSNorm, rotary embeddings, grouped-query attention with per-head QK-norm through
-``scaled_dot_product_attention``, a SwiGLU MLP and tied input/output embeddings. Sublayers are pre-norm;
+``scaled_dot_product_attention``, a SwiGLU MLP and tied input/output embeddings (or a separate output
+matrix, ``model.tie_embeddings=false``). Sublayers are pre-norm;
 what they read and how their outputs are kept is the residual variant's business.
 """
 
@@ -106,6 +107,8 @@ class Decoder(nn.Module):
             self.sublayers.append(MLP(cfg))
         self.residual: Residual = build_residual(residual, cfg)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        # None when tied: the output projection is embed.weight (one parameter, as in the presets).
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, vocab, bias=False)
         head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
         cos, sin = rope_tables(cfg.seq_len, head_dim, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -130,7 +133,7 @@ class Decoder(nn.Module):
             out = layer(x, cos, sin) if isinstance(layer, Attention) else layer(x)
             self.residual.write(state, site, out)
         h = self.norm(self.residual.finish(state))
-        return F.linear(h, self.embed.weight)
+        return F.linear(h, self.embed.weight if self.lm_head is None else self.lm_head.weight)
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         """AdamW groups: matrices decay; norms' gains and the residual variant's routing and static

@@ -146,8 +146,10 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
     vocab = cfg.model.vocab_size or dm.vocab_size
     if vocab < dm.vocab_size:
         raise UsageError(f"model.vocab_size={vocab} is smaller than the tokenizer's {dm.vocab_size} tokens")
-    run_dir.mkdir(parents=True, exist_ok=True)
     ckpt = run_dir / CHECKPOINT
+    if cfg.train.init and not (resume and ckpt.is_file()) and not Path(cfg.train.init).is_file():
+        raise UsageError(f"train.init: no such file: {cfg.train.init}")
+    run_dir.mkdir(parents=True, exist_ok=True)
     ckpt_path = ckpt if resume and ckpt.is_file() else None
     if lead and (not resume or not (run_dir / "config.yaml").is_file()):
         write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
@@ -159,8 +161,15 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
         torch._dynamo.reset()
     module = LMModule(cfg, vocab, autocast=autocast_for(cfg))
     params, base_params, overhead = routing_overhead(cfg.model, cfg.residual, vocab)
+    dm.start_step = cfg.train.first_batch
     if ckpt_path is not None:
-        dm.start_step = int(read_checkpoint(ckpt_path)["global_step"])  # the data continue where the run stopped
+        # The data continue where the run stopped.
+        dm.start_step += int(read_checkpoint(ckpt_path)["global_step"])
+    elif cfg.train.init:
+        from ..model.weights import load_initial, read_state_dict
+
+
+        load_initial(module.model, read_state_dict(cfg.train.init), f"train.init={cfg.train.init}")
 
     budget = Budget(cfg.train.budget, cfg.train.steps, cfg.train.time)
     tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
