@@ -1,16 +1,20 @@
 """The ``mhar-ablate`` command line (also ``python -m mhar_ablate``).
 
-Bad input is one line on stderr and exit code 2; ``--debug`` shows tracebacks.
+Bad input is one line on stderr and exit code 2; ``--debug`` shows tracebacks. An option that does not
+apply (``--time`` under a steps budget, ``seed=`` on a study) is one warning line, and the command goes
+on. No line shows a storage URL's password.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import shlex
 import sys
 from pathlib import Path
 
 from .errors import UsageError
+from .redaction import redact, register
 
 
 OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*=")
@@ -44,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", metavar="RUN", help="continue this run folder from its checkpoint")
     t.add_argument("--devices", type=int, metavar="N", help="processes for the run through Lightning DDP: GPUs, "
                    "or CPU processes with gloo (same as train.devices=N; train.batch_size stays the global batch)")
+    t.add_argument("--allow-version-change", action="store_true",
+                   help="resume a checkpoint written under other torch/triton/lightning/optuna versions")
     _common(t)
     t.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. residual.heads=4")
 
@@ -65,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--preset", help="model preset for every arm (same as model.preset=...)")
     s.add_argument("--seeds", type=int, metavar="N", help="seeds per arm (default: the study's)")
     s.add_argument("--tune", choices=("lr",), help="tune this hyperparameter per arm with TPE before the grid")
-    s.add_argument("--trials", type=int, default=6, metavar="N", help="TPE trials per arm for --tune (default 6)")
+    s.add_argument("--trials", type=int, metavar="N", help="TPE trials per arm for --tune (default 6)")
     s.add_argument("--prune", action="store_true", help="stop hopeless trials early (median pruner)")
     s.add_argument("--storage", metavar="URL", help="Optuna storage URL, e.g. postgresql://user@host/db for workers on "
                    "several machines (default: SQLite in --output for one worker, a journal file there for several)")
@@ -77,6 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(--budget steps only: under a wall-clock budget every trial has its device to itself)")
     s.add_argument("--heartbeat", type=int, default=30, metavar="S", help="with a database server: seconds between a "
                    "running trial's heartbeats; a trial silent for 3 of them is resumed by another worker (default 30)")
+    s.add_argument("--keep-checkpoints", action="store_true",
+                   help="keep finished trials' checkpoints (by default they are removed once the result is recorded)")
+    s.add_argument("--allow-version-change", action="store_true",
+                   help="continue a study under other torch/triton/lightning/optuna versions than it ran with")
     _common(s)
     s.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every arm")
 
@@ -137,8 +147,26 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _warn_unused_budget_options(args: argparse.Namespace, budget: str) -> bool:
+    """Warn about (and drop from ``args``) a length option of the other budget; True if one was dropped."""
+    if budget == "steps" and args.time is not None:
+        _warn("--time applies to --budget wallclock; this budget is steps (its length is --steps), so --time is ignored")
+        args.time = None
+        return True
+    if budget == "wallclock" and args.steps is not None:
+        _warn("--steps applies to --budget steps; this budget is wallclock (its length is --time), so --steps is ignored")
+        args.steps = None
+        return True
+    return False
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from .config import build_config
+    from .io import check_writable_folder
     from .training.run import find_run, load_run_config, new_run_dir, train_run
     from .training.stop import stop_on_signals
 
@@ -146,12 +174,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume:
         if args.overrides or args.config or args.preset:
             raise UsageError("--resume continues a run exactly as configured: drop --config, --preset and key=value")
-        run_dir = find_run(output, args.resume)
-        cfg = load_run_config(run_dir)
         if args.budget or args.steps is not None or args.time is not None:
             raise UsageError("--resume keeps the run's own budget")
+        run_dir = find_run(output, args.resume)
+        cfg = load_run_config(run_dir)
+        check_writable_folder(run_dir, "run folder")
     else:
         cfg = build_config(args.config, _overrides(args))
+        if _warn_unused_budget_options(args, cfg.train.budget):
+            cfg = build_config(args.config, _overrides(args))  # without the option that does not apply
+        check_writable_folder(output)
         run_dir = new_run_dir(output, cfg)
     cache = output / "cache"
     from .data import load_corpus
@@ -159,9 +191,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"data: {load_corpus(cfg.data, cache).info.describe()}", flush=True)  # cached: train_run reuses it
     print(f"run folder: {run_dir}", flush=True)
     with stop_on_signals() as stop:
-        result = train_run(cfg, run_dir, cache, resume=bool(args.resume), stop=stop)
-    print(f"{result['status']}: {result['step']} steps, {result['seconds']:.1f}s of training, "
-          f"final val loss {result['final_val_loss']:.4f}, {result['tokens_per_s'] or 0:,.0f} tokens/s")
+        result = train_run(cfg, run_dir, cache, resume=bool(args.resume), stop=stop,
+                           allow_version_change=args.allow_version_change)
+    print(f"{result['status']}: {result['step']} steps, {float(result['seconds']):.1f}s of training, "
+          f"final val loss {float(result['final_val_loss']):.4f}, {result['tokens_per_s'] or 0:,.0f} tokens/s")
     print(f"TensorBoard: tensorboard --logdir {run_dir / 'tb'}")
     if result["status"] == "interrupted":
         print(f"resume with: mhar-ablate train --output {output} --resume {run_dir.name}")
@@ -189,25 +222,38 @@ def cmd_study(args: argparse.Namespace) -> int:
     budget = args.budget or "steps"
     if args.seeds is not None and args.seeds < 1:
         raise UsageError(f"--seeds must be at least 1, got {args.seeds}")
-    if args.tune and args.trials < 1:
+    if args.trials is not None and args.trials < 1:
         raise UsageError(f"--trials must be at least 1, got {args.trials}")
-    if args.storage is None and Path(args.output).exists() and not Path(args.output).is_dir():
+    if Path(args.output).exists() and not Path(args.output).is_dir():
         raise UsageError(f"--output {args.output} is a file, not a folder")
     if args.heartbeat < 1:
         raise UsageError(f"--heartbeat must be at least 1 second, got {args.heartbeat}")
+    from .config import parse_overrides
+
+    given = parse_overrides(args.overrides)
+    _overrides(args)  # a bad value (--time soon) is an error before any warning
+    _warn_unused_budget_options(args, budget)
+    if "seed" in given:
+        _warn(f"seed={given['seed']} is ignored: a study trains seeds 0 to N-1 of every arm (--seeds N sets N)")
+    if "train.budget" in given:
+        _warn(f"train.budget={given['train.budget']} is ignored: a study's budget is --budget ({budget})")
+    if args.trials is not None and not args.tune:
+        _warn("--trials is ignored without --tune")
     overrides = _overrides(args)
     overrides.pop("train.budget", None)
+    overrides.pop("seed", None)
     sr = StudyRun(definition, budget, Path(args.output), overrides, args.seeds or definition.seeds,
-                  storage=args.storage, prune=args.prune, tune=args.tune, tune_trials=args.trials,
-                  workers=args.workers, trials_per_gpu=args.trials_per_gpu, heartbeat=args.heartbeat)
+                  storage=args.storage, prune=args.prune, tune=args.tune, tune_trials=args.trials or 6,
+                  workers=args.workers, trials_per_gpu=args.trials_per_gpu, heartbeat=args.heartbeat,
+                  keep_checkpoints=args.keep_checkpoints, allow_version_change=args.allow_version_change)
     with stop_on_signals() as stop:
         summary = run_study(sr, stop=stop)
     if summary["interrupted"]:
-        print(f"interrupted: rerun `mhar-ablate study {args.name} --budget {budget}` to resume", file=sys.stderr)
+        print(f"interrupted: rerun `{_command_line(args)}` to resume", file=sys.stderr)
         return 130
     if summary.get("workers_died") and summary["done"] < len(sr.grid()):
         print(f"error: {summary['workers_died']} worker(s) died and {len(sr.grid()) - summary['done']} grid point(s) are "
-              f"unfinished: rerun `mhar-ablate study {args.name} --budget {budget}` to resume them", file=sys.stderr)
+              f"unfinished: rerun `{_command_line(args)}` to resume them", file=sys.stderr)
         return 1
     from .export import build_table, render
     from .study import load_studies
@@ -222,21 +268,24 @@ def cmd_study(args: argparse.Namespace) -> int:
 
 
 def _out(args: argparse.Namespace) -> str:
-    return "" if args.output == "outputs" else f" --output {args.output}"
+    return "" if args.output == "outputs" else f" --output {shlex.quote(args.output)}"
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """The command as it was given (every option, so the same command resumes), passwords masked."""
+    argv = [a for a in getattr(args, "argv", []) if a != "--debug"]
+    return redact("mhar-ablate " + shlex.join(argv))
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from .export import build_table, export, verdicts
-    from .study import load_studies
+    from .study import load_studies, study_folder
 
     output = Path(args.output)
     studies = load_studies(output, Path(args.name).stem, args.budget, args.storage)
     tables = []
     for study in studies:
-        folder = Path(study.user_attrs.get("folder") or output / "studies" / args.name / study.user_attrs.get("budget", ""))
-        if not folder.is_absolute() and not folder.exists():
-            folder = output / "studies" / Path(args.name).stem / study.user_attrs.get("budget", "")
-        text, files = export(study, args.format, folder)
+        text, files = export(study, args.format, study_folder(output, study, args.name))
         tables.append(build_table(study))
         print(text)
         print(f"written: {', '.join(str(f) for f in files)}", file=sys.stderr)
@@ -288,15 +337,29 @@ def _attach_negative_values(argv: list[str]) -> list[str]:
     return out
 
 
+def _register_storage(argv: list[str]) -> None:
+    """Secrets of a ``--storage`` URL are masked from the first line on, before anything can print it."""
+    for i, a in enumerate(argv):
+        if a == "--storage" and i + 1 < len(argv):
+            register(argv[i + 1])
+        elif a.startswith("--storage="):
+            register(a.split("=", 1)[1])
+
+
 def main(argv: list[str] | None = None) -> int:
+    from .training.stop import StopNow
+
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
+    _register_storage(argv)
+    given = list(argv)
     try:
         # key=value overrides may stand anywhere after the command; argparse cannot take a variable-length
         # positional after options, so they are split off first.
         overrides = [a for a in argv if OVERRIDE.match(a)]
         argv = _attach_negative_values(argv)
         args = build_parser().parse_args([a for a in argv if not OVERRIDE.match(a)])
+        args.argv = given
         if hasattr(args, "overrides"):
             args.overrides = overrides + list(args.overrides)
         elif overrides:
@@ -308,15 +371,15 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         if debug:
             raise
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {redact(str(e))}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, StopNow):
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # a bug, not bad input: say so in one line unless asked for more
         if debug:
             raise
-        print(f"error: internal error: {type(e).__name__}: {e} (run again with --debug for the traceback)",
+        print(f"error: internal error: {type(e).__name__}: {redact(str(e))} (run again with --debug for the traceback)",
               file=sys.stderr)
         return 1
 

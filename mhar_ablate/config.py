@@ -33,7 +33,8 @@ def find_resource(folder: str, name: str) -> Path:
         p = root / folder / f"{name}.yaml"
         if p.is_file():
             return p
-    raise UsageError(f"unknown {folder[:-1]} {name!r}: choose one of {', '.join(list_resources(folder)) or '(none found)'}")
+    what = {"studies": "study", "configs": "config"}.get(folder, folder)
+    raise UsageError(f"unknown {what} {name!r}: choose one of {', '.join(list_resources(folder)) or '(none found)'}")
 
 
 def list_resources(folder: str) -> list[str]:
@@ -49,7 +50,11 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise UsageError(f"config file not found: {p}")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise UsageError(f"{p}: not a text file (YAML must be UTF-8 text)") from None
+    except OSError as e:
+        raise UsageError(f"cannot read {p}: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise UsageError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
     if data is None:
@@ -252,9 +257,10 @@ class TrainConfig:
     eval_every: int = 10  # number of evaluations spread evenly over the budget
     eval_batches: int = 4
     heatmap_every: int = 4  # draw the routing heatmap every N evaluations (and always at the end)
-    # Wall-clock seconds between checkpoints (taken at evaluations; always on a stop and at the end).
-    # A checkpoint of a GPU-sized model is hundreds of MB: one per evaluation would dominate short runs.
-    checkpoint_every: float = 120.0
+    # A checkpoint is written at every evaluation, on a stop and at the end; between evaluations also
+    # once this many wall-clock seconds have passed since the last one (0: only at evaluations), so a
+    # SIGKILL loses at most the training since the later of the two.
+    checkpoint_every: float = 600.0
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
     compile: bool = False
     # Capture each step in a CUDA graph and replay it (CUDA only; on a CPU the step runs uncaptured).
@@ -262,7 +268,7 @@ class TrainConfig:
     # Steps between read-outs of the device (losses, gradient norms, the clock, divergence): the only
     # points besides evaluations where the host waits for the GPU.
     log_every: int = 20
-    threads: int | None = None  # CPU threads for torch; None: torch's default
+    threads: int | None = None  # CPU threads for torch (at least 1); None: torch's default
     # Processes (GPUs, or CPU process groups) per run, through Lightning's DDP. batch_size stays the
     # global batch (each rank takes batch_size / devices rows of it), so steps mean the same at any N.
     devices: int = 1
@@ -288,6 +294,8 @@ class TrainConfig:
             raise UsageError(f"train.batch_size must be positive, got {self.batch_size}")
         if self.checkpoint_every < 0:
             raise UsageError(f"train.checkpoint_every must be >= 0 seconds, got {self.checkpoint_every}")
+        if self.threads is not None and self.threads < 1:
+            raise UsageError(f"train.threads must be at least 1 (or none for torch's default), got {self.threads}")
         if self.eval_every <= 0 or self.eval_batches <= 0 or self.heatmap_every <= 0 or self.log_every <= 0:
             raise UsageError("train.eval_every, train.eval_batches, train.heatmap_every and train.log_every must be positive")
         if self.devices < 1:
@@ -311,6 +319,11 @@ class RunConfig:
     seed: int = 0
 
     def validate(self) -> "RunConfig":
+        for key, value in self.flat().items():  # inf and nan pass every range check below
+            if isinstance(value, float) and not math.isfinite(value):
+                raise UsageError(f"{key} must be a finite number, got {value}")
+        if not 0 <= self.seed < 2**32:  # the range numpy's and torch's generators take
+            raise UsageError(f"seed must be between 0 and {2**32 - 1}, got {self.seed}")
         self.model.validate()
         self.residual.validate(self.model)
         self.data.validate()

@@ -13,6 +13,7 @@ import csv
 import io
 import json
 import math
+import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,9 +24,13 @@ from .io import write_bytes, write_text
 
 FORMATS = ("md", "latex", "csv", "json")
 EXT = {"md": "md", "latex": "tex", "csv": "csv", "json": "json"}
-# Two-sided 95 % Student t quantiles for 1..30 degrees of freedom (normal beyond).
-T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-       2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+
+def t95(df: int) -> float:
+    """The two-sided 95 % quantile of Student's t with ``df`` degrees of freedom."""
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, df))
 
 
 @dataclass
@@ -128,7 +133,7 @@ def _paired(arm: list[TrialData], base: list[TrialData], axis: int, x: float) ->
     m = statistics.fmean(diffs)
     if len(diffs) < 2:
         return m, math.nan, 1
-    half = T95[min(len(diffs) - 2, len(T95) - 1)] * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    half = t95(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
     return m, half, len(diffs)
 
 
@@ -234,6 +239,21 @@ def _cells(table: StudyTable, row: dict[str, Any], bold) -> list[str]:
             f"{tvb:.2f}×" if tvb else "–", f"{mem:.1f}" if mem else "–", f"{pct:+.3f} %" if pct is not None else "–"]
 
 
+class _Bold(str):
+    """A cell to set in bold; each format escapes it first and then marks it."""
+
+
+# LaTeX's special characters, and the table's non-ASCII symbols in their math forms, in one pass.
+_LATEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
+          "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "±": r"$\pm$", "×": r"$\times$",
+          "Δ": r"$\Delta$", "–": "--", "†": r"$^\dagger$"}
+_LATEX_RE = re.compile("|".join(re.escape(c) for c in _LATEX))
+
+
+def latex_escape(text: str) -> str:
+    return _LATEX_RE.sub(lambda m: _LATEX[m.group(0)], text)
+
+
 def _headers(table: StudyTable) -> list[str]:
     heads = [h.format(steps=int(table.at_step), time=_fmt_time(table.at_seconds)) for h in HEADERS]
     return [h + " †" if table.shared_device and i in SHARED_COLUMNS else h for i, h in enumerate(heads)]
@@ -244,7 +264,8 @@ def render(table: StudyTable, fmt: str) -> str:
         head = _headers(table)
         lines = [f"### {table.name} ({table.budget} budget)", "", table.description, "",
                  "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
-        lines += ["| " + " | ".join(_cells(table, r, lambda s: f"**{s}**")) + " |" for r in table.rows]
+        md = lambda c: (f"**{c}**" if isinstance(c, _Bold) else c).replace("|", r"\|")
+        lines += ["| " + " | ".join(md(c) for c in _cells(table, r, _Bold)) + " |" for r in table.rows]
         lines += ["", "Mean ± std over seeds; Δ is the paired difference to the baseline arm with its 95 % "
                   "t-interval over seeds; bold marks the lowest loss in a column."]
         if any(r.get("start") for r in table.rows):
@@ -257,12 +278,12 @@ def render(table: StudyTable, fmt: str) -> str:
             lines.append(f"Missing trials: {', '.join(table.missing)}.")
         return "\n".join(lines) + "\n"
     if fmt == "latex":
-        esc = lambda s: s.replace("%", r"\%").replace("_", r"\_").replace("±", r"$\pm$").replace("×", r"$\times$").replace("Δ", r"$\Delta$").replace("–", "--").replace("†", r"$^\dagger$")
+        esc = latex_escape
+        cell = lambda c: r"\textbf{" + esc(c) + "}" if isinstance(c, _Bold) else esc(c)
         head = [esc(h) for h in _headers(table)]
         lines = [r"\begin{table}[t]", r"\centering", r"\small", r"\begin{tabular}{l" + "r" * (len(head) - 1) + "}",
                  r"\toprule", " & ".join(head) + r" \\", r"\midrule"]
-        lines += [" & ".join(esc(c) if not c.startswith(r"\textbf") else c for c in _cells(
-            table, r, lambda s: r"\textbf{" + esc(s) + "}")) + r" \\" for r in table.rows]
+        lines += [" & ".join(cell(c) for c in _cells(table, r, _Bold)) + r" \\" for r in table.rows]
         lines += [r"\bottomrule", r"\end{tabular}",
                   r"\caption{" + esc(f"{table.name}, {table.budget} budget. Mean ± std over seeds; Δ: paired difference "
                                      "to the baseline with a 95 % t-interval; bold: lowest loss.") + "}", r"\end{table}"]

@@ -1,12 +1,16 @@
 """Atomic file writes: a temporary file in the same folder, fsync, then rename (and fsync of the folder),
-so a kill at any moment leaves either the old file or the new one, never half of one; a full disk
-becomes one clear error. Exports, run results, checkpoints and the data cache all write through here."""
+so a kill at any moment leaves either the old file or the new one, never half of one; a full disk, a
+read-only folder or a file where a folder should be becomes one clear error. Exports, run results,
+checkpoints and the data cache all write through here. Also the checks made before anything trains:
+that an output folder can be written, and that the disk has room for what a run will write."""
 
 from __future__ import annotations
 
 import errno
 import json
+import math
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,11 +20,58 @@ from typing import Any, BinaryIO
 from .errors import UsageError
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+_NOT_A_FOLDER = (errno.ENOTDIR, errno.EEXIST)
 
 
 def raise_if_no_space(e: OSError, path: Path) -> None:
+    """A full disk, a read-only folder or a file in the way: one clear error instead of a traceback."""
     if e.errno in _NO_SPACE:
         raise UsageError(f"no space left on device while writing {path}") from None
+    if e.errno in _NOT_WRITABLE:
+        raise UsageError(f"cannot write {path}: {e.strerror} (a read-only folder?)") from None
+    if e.errno in _NOT_A_FOLDER:
+        raise UsageError(f"cannot write {path}: a file stands where a folder of that path should be") from None
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_writable_folder(path: str | Path, what: str = "--output") -> None:
+    """``path`` is a folder this process can create files in, or can be created: checked by creating
+    (and removing) a file, since permission bits say nothing for root or on a read-only mount."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{what} {path} is a file, not a folder")
+    probe = _existing_ancestor(path)
+    if not probe.is_dir():
+        raise UsageError(f"{what} {path}: {probe} is a file, not a folder")
+    try:
+        fd, name = tempfile.mkstemp(dir=probe, prefix=".mhar-ablate-write-check-")
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        raise UsageError(f"{what} {path} cannot be written ({e.strerror}): choose a writable folder") from None
+
+
+def human_bytes(n: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def require_free_space(path: str | Path, needed: int, what: str) -> None:
+    """One clear error when the disk that will hold ``path`` has less than ``needed`` bytes free."""
+    probe = _existing_ancestor(Path(path))
+    free = shutil.disk_usage(probe).free
+    if free < needed:
+        raise UsageError(f"not enough free space for {what}: it needs about {human_bytes(needed)} on "
+                         f"{probe}, which has {human_bytes(free)} free")
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -77,12 +128,24 @@ def write_text(path: str | Path, text: str) -> None:
 
 
 def write_json(path: str | Path, obj: Any) -> None:
-    write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=_jsonable) + "\n")
+    """Strict JSON: NaN and infinities (a diverged run's loss) are written as the strings "nan",
+    "inf" and "-inf", which ``float()`` reads back; JSON itself has no such numbers."""
+    write_text(path, json.dumps(finite_json(obj), indent=2, sort_keys=False, allow_nan=False) + "\n")
 
 
-def _jsonable(o: Any) -> Any:
-    if hasattr(o, "item"):
-        return o.item()
+def finite_json(o: Any) -> Any:
+    """``o`` with tensors and numpy scalars as Python numbers, paths as strings, and every non-finite
+    float as its string."""
+    if isinstance(o, dict):
+        return {str(k): finite_json(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [finite_json(v) for v in o]
     if isinstance(o, Path):
         return str(o)
+    if hasattr(o, "item") and not isinstance(o, (str, bytes)):
+        o = o.item()
+    if isinstance(o, float) and not math.isfinite(o):
+        return str(o)
+    if o is None or isinstance(o, (str, int, float, bool)):
+        return o
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")

@@ -76,9 +76,11 @@ def without_password(url: str) -> str:
     try:
         from sqlalchemy.engine import URL, make_url
 
+        from .redaction import without_secret_params
+
         u = make_url(url)  # URL.set(password=None) would keep the password: build the URL anew without it
         return URL.create(u.drivername, u.username, None, u.host, u.port, u.database,
-                          u.query).render_as_string(hide_password=False)
+                          without_secret_params(dict(u.query))).render_as_string(hide_password=False)
     except Exception:  # not a URL SQLAlchemy can parse: record nothing secret, only the scheme
         return url.split("://", 1)[0] + "://"
 
@@ -158,13 +160,37 @@ def record(output: Path, key: str, url: str) -> None:
     from .io import write_json
 
     reg = _registry(output)
-    if reg.get(key) != without_password(url):
-        reg[key] = without_password(url)
+    value = _relative_to(output, url) or without_password(url)
+    if reg.get(key) != value:
+        reg[key] = value
         write_json(output / REGISTRY_FILE, reg)
 
 
+def _local_path(url: str) -> Path:
+    return journal_path(url) if kind(url) == "journal" else Path(url[len("sqlite:///"):])
+
+
+def _relative_to(output: Path, url: str) -> str | None:
+    """A storage file inside the output folder is recorded relative to it (``sqlite:studies.db``), so a
+    copied or moved output folder finds its own database, never the original's."""
+    if not is_local(url) or not (url.startswith("sqlite:///") or url.startswith(JOURNAL_SCHEME)):
+        return None
+    try:
+        rel = _local_path(url).resolve().relative_to(output.resolve())
+    except ValueError:
+        return None
+    return f"{kind(url)}:{rel.as_posix()}"
+
+
 def recorded(output: Path, key: str) -> str | None:
-    return _registry(output).get(key)
+    value = _registry(output).get(key)
+    if value and value.startswith(("sqlite:", "journal:")) and not value.startswith(("sqlite:///", JOURNAL_SCHEME)):
+        name, rel = value.split(":", 1)
+        path = (output / rel).resolve()
+        return f"sqlite:///{path}" if name == "sqlite" else f"{JOURNAL_SCHEME}{path}"
+    if value and is_local(value) and not _local_path(value).exists():
+        return None  # a local file that is gone (a moved output folder): search this folder instead
+    return value
 
 
 def local_candidates(output: Path) -> list[str]:

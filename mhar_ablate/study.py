@@ -7,14 +7,20 @@ machines; one Optuna study per (name, budget). The grid is queued as waiting tri
 them through ``study.optimize`` (``workers.py``). Each grid point trains into a fixed folder
 ``<output>/studies/<name>/<budget>/<arm>-s<seed>/``, so a rerun after a crash or a kill, or another worker
 after a worker died, continues that point from its checkpoint; finished points (completed, diverged or
-pruned) are never trained again.
+pruned) are never trained again, and their checkpoints are removed once their result is recorded
+(``keep_checkpoints`` keeps them). Paths stored in the database are relative to the output folder, so a
+copied or moved output folder is self-contained. Before the first trial trains, every grid point still
+to train is checked (its configuration, data, vocabulary and any checkpoint it will continue), so bad
+input fails at once; a finished study reruns (and prints its table) even in a read-only folder.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +30,9 @@ from . import __version__
 from . import storage as st
 from .config import RunConfig, build_config, find_resource, load_yaml, parse_duration
 from .errors import UsageError
+from .io import check_writable_folder
+from .provenance import describe_differences, differences, environment
+from .redaction import redact, register
 
 STUDY_FORMAT = 1  # bump when the stored attributes change meaning; older studies are then refused
 DONE_STATES = ("COMPLETE", "PRUNED")
@@ -59,14 +68,32 @@ class StudyDefinition:
         arms = data.get("arms") or {}
         if not isinstance(arms, dict) or not arms:
             raise UsageError(f"{path}: 'arms' must map arm labels to config overrides")
+        for arm, settings in arms.items():
+            if settings is not None and not isinstance(settings, dict):
+                raise UsageError(f"{path}: arm {arm!r} must map config keys to values (like "
+                                 f"{{residual.kind: mhar}}), got {settings!r}")
+        fixed = data.get("fixed") or {}
+        if not isinstance(fixed, dict):
+            raise UsageError(f"{path}: 'fixed' must map config keys to values, got {fixed!r}")
         budgets = data.get("budgets") or {}
+        if not isinstance(budgets, dict):
+            raise UsageError(f"{path}: 'budgets' must map steps and/or wallclock to a length "
+                             f"(like {{steps: 150, wallclock: 15s}}), got {budgets!r}")
         if set(budgets) - {"steps", "wallclock"}:
             raise UsageError(f"{path}: budgets may only set steps and wallclock")
+        if "steps" in budgets and (isinstance(budgets["steps"], bool) or not isinstance(budgets["steps"], int)
+                                   or budgets["steps"] < 1):
+            raise UsageError(f"{path}: budgets.steps must be a positive integer, got {budgets['steps']!r}")
+        if "wallclock" in budgets:
+            try:
+                parse_duration(budgets["wallclock"])
+            except UsageError as e:
+                raise UsageError(f"{path}: budgets.wallclock: {e}") from None
         baseline = data.get("baseline")
         if baseline is not None and baseline not in arms:
             raise UsageError(f"{path}: baseline arm {baseline!r} is not one of the arms")
         seeds = data.get("seeds", 2)
-        if not isinstance(seeds, int) or seeds < 1:
+        if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds < 1:
             raise UsageError(f"{path}: seeds must be a positive integer")
         source = data.get("source")
         if source is not None:
@@ -77,9 +104,12 @@ class StudyDefinition:
             clash = sorted({k for arm in arms.values() for k in (arm or {})} & set(cls.SOURCE_KEYS))
             if clash:
                 raise UsageError(f"{path}: {', '.join(clash)} are set from the source stage, not by an arm")
-        return cls(name=Path(name).stem, description=str(data.get("description", "")), fixed=dict(data.get("fixed") or {}),
+        curve = data.get("curve")
+        if curve is not None and not isinstance(curve, str):
+            raise UsageError(f"{path}: curve must name a config key, got {curve!r}")
+        return cls(name=Path(name).stem, description=str(data.get("description", "")), fixed=dict(fixed),
                    arms={str(k): dict(v or {}) for k, v in arms.items()}, baseline=baseline, seeds=seeds,
-                   budgets=dict(budgets), curve=data.get("curve"), path=path, source=dict(source) if source else None)
+                   budgets=dict(budgets), curve=curve, path=path, source=dict(source) if source else None)
 
     def source_config(self, seed: int, overrides: dict[str, Any]) -> RunConfig:
         """The source stage's config at ``seed``: the study's fixed settings, the source's own, and the
@@ -130,6 +160,8 @@ class StudyRun:
     workers: str | int = 1  # a number, or "gpus": one per visible GPU (per --devices GPUs)
     trials_per_gpu: int = 1
     heartbeat: int = 30  # seconds between a server-stored trial's heartbeats (three missed: it is retried)
+    keep_checkpoints: bool = False  # keep finished trials' checkpoints (by default only resuming needs them)
+    allow_version_change: bool = False  # continue a study under other library versions than it ran with
 
     @property
     def key(self) -> str:
@@ -142,6 +174,9 @@ class StudyRun:
     def source_dir(self, seed: int) -> Path:
         """A source run, shared by both budgets of the study."""
         return self.output / "studies" / self.definition.name / "source" / f"s{seed}"
+
+    def run_dir(self, arm: str, seed: int) -> Path:
+        return self.folder / f"{arm.replace(':', '')}-s{seed}"
 
     def grid(self) -> list[tuple[str, int]]:
         return [(arm, seed) for arm in self.definition.arms for seed in range(self.seeds)]
@@ -182,11 +217,21 @@ def storage_url(output: Path, storage: str | None) -> str:
     return st.sqlite_url(output)
 
 
-def redact(url: str) -> str:
-    """Storage URLs can carry passwords; nothing we print or log shows them."""
-    import re
+def study_folder(output: Path, study, name: str) -> Path:
+    """Where a study's runs and exports live: always under ``output`` (the folder recorded in the
+    database is not trusted, so exporting a copied study cannot write into the original)."""
+    attrs = study.user_attrs
+    recorded, budget = str(attrs.get("study") or ""), str(attrs.get("budget") or "")
+    safe = lambda part: bool(part) and Path(part).name == part and part not in (".", "..")
+    return output / "studies" / (recorded if safe(recorded) else Path(name).stem) / (budget if safe(budget) else "")
 
-    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
+
+def under_output(output: Path, recorded: str | None, default: Path) -> Path:
+    """A run folder recorded in the database: relative to the output folder (an absolute one, written
+    before paths were relative, may point into another copy of the study and is not used)."""
+    if recorded and not Path(recorded).is_absolute() and ".." not in Path(recorded).parts:
+        return output / recorded
+    return default
 
 
 def open_storage(url: str, create: bool, heartbeat: int | None = None):
@@ -195,6 +240,7 @@ def open_storage(url: str, create: bool, heartbeat: int | None = None):
     import optuna
     from sqlalchemy.exc import SQLAlchemyError
 
+    register(url)  # from here on its secrets are masked everywhere, library log lines included
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     if st.kind(url) == "journal":
         return st.open_journal(url, create)
@@ -216,7 +262,26 @@ def open_storage(url: str, create: bool, heartbeat: int | None = None):
         raise UsageError(f"cannot open study storage {redact(url)}: {redact(msg)}{hint}") from None
 
 
-def check_compatible(study, fingerprint: str | None, key: str) -> None:
+def check_readable(study, url: str) -> None:
+    """Every attribute and trial of ``study`` can be read: a database edited by hand or damaged is one
+    clear error, here, not a traceback in the middle of a run or an export."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        _ = study.user_attrs
+        for t in study.get_trials(deepcopy=False):
+            _ = t.user_attrs, t.params
+    except (ValueError, TypeError, KeyError, AttributeError, SQLAlchemyError) as e:
+        raise corrupt(study.study_name, url, e) from None
+
+
+def corrupt(name: str, url: str, e: Exception) -> UsageError:
+    first = (str(e).splitlines() or [type(e).__name__])[0][:160]
+    return UsageError(f"study {name} in {redact(url)} cannot be read: an attribute or a trial is corrupt "
+                      f"({redact(first)}); restore the database from a copy, or use another --output folder")
+
+
+def check_compatible(study, fingerprint: str | None, key: str, seeds: int | None = None) -> None:
     attrs = study.user_attrs
     fmt = attrs.get("format")
     if fmt is not None and fmt != STUDY_FORMAT:
@@ -225,6 +290,23 @@ def check_compatible(study, fingerprint: str | None, key: str) -> None:
     if fingerprint and attrs.get("fingerprint") not in (None, fingerprint):
         raise UsageError(f"study {key} already exists in this output folder with a different configuration; "
                          "rerun with the same options, or use another --output folder")
+    stored = attrs.get("seeds")
+    if seeds is not None and stored not in (None, seeds) and study.get_trials(deepcopy=False):
+        # The seed is an Optuna parameter whose choices are fixed once a study has trials.
+        raise UsageError(f"study {key} was run with {stored} seed(s) per arm; --seeds {seeds} would change its grid: "
+                         f"rerun with --seeds {stored}, or use another --output folder")
+
+
+def check_environment(study, sr: "StudyRun") -> list[tuple[str, Any, Any]]:
+    """Refuse to continue a study under other library versions than it ran with, unless allowed;
+    return the differences (empty when none)."""
+    diffs = differences(study.user_attrs.get("environment"), environment())
+    if diffs and not sr.allow_version_change:
+        old, new = describe_differences(diffs)
+        raise UsageError(f"study {sr.key} was run under {old}; this environment has {new}: rerun with "
+                         "--allow-version-change to continue it under these versions (each trial records its own), "
+                         "or use another --output folder")
+    return diffs
 
 
 def _has_study(url: str, key: str) -> bool:
@@ -289,14 +371,24 @@ def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = _log) -> dic
     devices = next(iter(configs.values())).train.devices
     slots = plan(sr.workers, devices, sr.trials_per_gpu, sr.budget)  # fits the machine, or one line why not
     # Cached once here, before any worker starts (the source stage's corpus too).
-    corpora = check_data([*configs.values(), *sr.source_configs().values()], sr.output / "cache")
+    corpora, vocabs = check_data(configs, sr.output / "cache", extra=sr.source_configs().values())
     fingerprint = sr.fingerprint(configs)
-    sr.output.mkdir(parents=True, exist_ok=True)
     grid = sr.grid()
+    if sr.output.exists() and not sr.output.is_dir():
+        raise UsageError(f"--output {sr.output} is a file, not a folder")
+    try:
+        check_writable_folder(sr.output)
+    except UsageError:
+        # Nothing can be written here: a finished study still answers (its table), anything else is refused.
+        finished_summary = _finished_read_only(sr, fingerprint, grid, log)
+        if finished_summary is None:
+            raise
+        return finished_summary
+    sr.output.mkdir(parents=True, exist_ok=True)
     held = None
     # Finding or creating the study, its tables and its queue must not interleave with another command
     # starting on the same output folder (SQLite's schema creation is not safe against that).
-    with st.output_lock(sr.output):
+    with st.output_lock(sr.output), _closing_on_error(lambda: held):
         url = choose_storage(sr, len(slots))
         storage = open_storage(url, create=True, heartbeat=sr.heartbeat)  # a missing folder or corrupt file: one line
         if st.kind(url) == "sqlite":  # one process at a time writes an SQLite study: a second one is told it is busy
@@ -304,14 +396,25 @@ def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = _log) -> dic
         try:
             study = optuna.create_study(study_name=sr.key, storage=storage, direction="minimize", load_if_exists=True,
                                         sampler=optuna.samplers.RandomSampler(seed=0), pruner=make_pruner(sr))
+        except json.JSONDecodeError as e:  # an attribute that is not JSON
+            raise corrupt(sr.key, url, e) from None
         except Exception as e:  # corrupt tables surface here as SQLAlchemy errors of many kinds
             raise UsageError(f"cannot use study storage {redact(url)}: {redact(str(e).splitlines()[0])}") from None
-        check_compatible(study, fingerprint, sr.key)
-        for k, v in {"format": STUDY_FORMAT, "version": __version__, "fingerprint": fingerprint, "study": sr.definition.name,
-                     "budget": sr.budget, "arms": list(sr.definition.arms), "seeds": sr.seeds,
-                     "baseline": sr.definition.baseline, "curve": sr.definition.curve,
-                     "description": sr.definition.description, "folder": str(sr.folder),
-                     "curve_values": _curve_values(sr.definition, configs)}.items():
+        check_readable(study, url)
+        check_compatible(study, fingerprint, sr.key, sr.seeds)
+        todo = [p for p in grid if p not in _finished_points(study)]
+        attrs = {"format": STUDY_FORMAT, "version": __version__, "fingerprint": fingerprint, "study": sr.definition.name,
+                 "budget": sr.budget, "arms": list(sr.definition.arms), "seeds": sr.seeds,
+                 "baseline": sr.definition.baseline, "curve": sr.definition.curve,
+                 "description": sr.definition.description, "folder": sr.folder.relative_to(sr.output).as_posix(),
+                 "curve_values": _curve_values(sr.definition, configs)}
+        if todo:  # everything that can be wrong with a grid point is found now, not when its trial comes up
+            if check_environment(study, sr):  # allowed: the versions earlier trials ran under stay on record
+                attrs["environment_history"] = [*study.user_attrs.get("environment_history", []),
+                                                study.user_attrs.get("environment")]
+            attrs["environment"] = environment()
+            preflight(sr, configs, todo, vocabs)
+        for k, v in attrs.items():
             if study.user_attrs.get(k) != v:
                 study.set_user_attr(k, v)
         if any(s.shared for s in slots) and not study.user_attrs.get("shared_device"):
@@ -320,10 +423,13 @@ def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = _log) -> dic
         if st.is_local(url):
             reaped = st.reap_dead(study)
             if reaped:
-                log(f"{len(reaped)} trial(s) of an earlier, killed run will be resumed from their checkpoints")
+                log(f"{len(reaped)} trial(s) of an earlier run were killed; each resumes from its last checkpoint "
+                    "(or from the start where it has none)")
         else:
             st.fail_stale(study)
         queue_grid(study, grid)
+        if not sr.keep_checkpoints:
+            _drop_finished_checkpoints(sr, study)
 
     try:
         # The source stage (continued pretraining) trains here, in this process, before any arm: every
@@ -403,6 +509,86 @@ def train_sources(sr: StudyRun, log, stop) -> dict[str, float] | None:
     return losses
 
 
+@contextlib.contextmanager
+def _closing_on_error(fd):
+    """Release the study's lock (``fd()``, once taken) when setting the study up fails: the process
+    goes on (a test, a caller) and must not keep the study busy."""
+    try:
+        yield
+    except BaseException:
+        if fd() is not None:
+            os.close(fd())
+        raise
+
+
+def _finished_points(study) -> set[tuple[str, int]]:
+    return {(t.params["arm"], t.params["seed"]) for t in study.get_trials(deepcopy=False)
+            if t.state.name in DONE_STATES and "arm" in t.params and "seed" in t.params}
+
+
+def _finished_read_only(sr: StudyRun, fingerprint: str, grid, log) -> dict[str, Any] | None:
+    """The summary of a study that is finished, read without writing anything (the output folder
+    cannot be written); None when the study does not exist or still has points to train."""
+    import optuna
+
+    url = find_storage(sr.output, sr.key, sr.storage)
+    if url is None:
+        return None
+    storage = open_storage(url, create=False)
+    try:
+        study = optuna.load_study(study_name=sr.key, storage=storage)
+    except KeyError:
+        return None
+    except json.JSONDecodeError as e:  # an attribute that is not JSON
+        raise corrupt(sr.key, url, e) from None
+    check_readable(study, url)
+    check_compatible(study, fingerprint, sr.key, sr.seeds)
+    done = _finished_points(study)
+    if any(p not in done for p in grid):
+        return None
+    log(f"study {sr.key}: all {len(grid)} grid points are finished; nothing to train")
+    return {"study": sr.key, "done": len(done), "ran": 0, "diverged": 0, "pruned": 0, "interrupted": False,
+            "folder": str(sr.folder), "storage": redact(url), "workers": 0}
+
+
+def preflight(sr: StudyRun, configs: dict[tuple[str, int], RunConfig], todo: list[tuple[str, int]],
+              vocabs: dict[tuple[str, int], int]) -> None:
+    """Check each grid point still to train as its trial will: the vocabulary against its tokenizer,
+    its run folder (another run's config.yaml) and the checkpoint it will continue (readable, written
+    by this run, fitting its model). The first problem is one error that names the arm and seed."""
+    from .training.checkpoint import CHECKPOINT, check_fits, read_checkpoint
+    from .training.run import check_run_folder, finished_result
+
+    ignore = ("optim.lr",) if sr.tune else ()  # a tuned rate is only known once the search has run
+    for arm, seed in todo:
+        cfg, run_dir = configs[(arm, seed)], sr.run_dir(arm, seed)
+        try:
+            vocab = cfg.model.vocab_size or vocabs[(arm, seed)]
+            if vocab < vocabs[(arm, seed)]:
+                raise UsageError(f"model.vocab_size={vocab} is smaller than the tokenizer's {vocabs[(arm, seed)]} tokens")
+            if not run_dir.is_dir():
+                continue
+            check_run_folder(run_dir, cfg, ignore)
+            ckpt = run_dir / CHECKPOINT
+            if finished_result(run_dir) is None and ckpt.is_file():
+                check_fits(read_checkpoint(ckpt, mmap=True), cfg, vocab, ckpt, ignore)
+        except UsageError as e:
+            raise UsageError(f"arm {arm!r} seed {seed}: {e}") from None
+
+
+def drop_checkpoints(run_dir: Path) -> None:
+    """A finished run's checkpoints: its result is recorded, and only resuming needs them."""
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+
+
+def _drop_finished_checkpoints(sr: StudyRun, study) -> None:
+    """Checkpoints of finished trials that a kill left behind (between the result and their removal);
+    a trial run with ``keep_checkpoints`` keeps its own."""
+    for t in study.get_trials(deepcopy=False):
+        if t.state.name in DONE_STATES and t.user_attrs.get("keep_checkpoints") is False and "arm" in t.params:
+            drop_checkpoints(sr.run_dir(t.params["arm"], t.params["seed"]))
+
+
 def _curve_values(d: StudyDefinition, configs) -> dict[str, Any]:
     """Per arm, the value of the study's curve key (the head count for ``heads``); None for arms off it."""
     if not d.curve:
@@ -417,19 +603,24 @@ def _curve_values(d: StudyDefinition, configs) -> dict[str, Any]:
     return out
 
 
-def check_data(configs, cache: Path) -> list[str]:
+def check_data(configs: dict[tuple[str, int], RunConfig], cache: Path,
+               extra=()) -> tuple[list[str], dict[tuple[str, int], int]]:
     """Load (and cache) each distinct corpus once up front: a folder without text fails the study at
-    once, not an hour in when the first arm that uses it starts. Returns one description per corpus."""
+    once, not an hour in when the first arm that uses it starts. Returns one description per corpus and
+    each grid point's tokenizer vocabulary."""
     from .data import fitting_windows, load_corpus
 
-    seen: dict[str, str] = {}
-    for cfg in configs:
+    seen: dict[str, tuple[str, int]] = {}
+    vocabs: dict[tuple[str, int], int] = {}
+    for point, cfg in [*configs.items(), *((None, c) for c in extra)]:
         key = json.dumps([cfg.data.__dict__, cfg.model.seq_len], sort_keys=True, default=str)
         if key not in seen:
-            corpus = load_corpus(cfg.data, cache)
+            corpus = load_corpus(cfg.data, cache)  # its errors name the data source, which arms share
             fitting_windows(cfg.data, corpus, cfg.model.seq_len, cfg.data.val_sequences)
-            seen[key] = corpus.info.describe()
-    return list(dict.fromkeys(seen.values()))
+            seen[key] = (corpus.info.describe(), corpus.tokenizer.vocab_size)
+        if point is not None:
+            vocabs[point] = seen[key][1]
+    return list(dict.fromkeys(d for d, _ in seen.values())), vocabs
 
 
 def _budget_text(cfg: RunConfig) -> str:
@@ -447,7 +638,7 @@ def _record(trial, result: dict[str, Any]) -> None:
         "curve": curve, "tokens_per_s": result["tokens_per_s"], "peak_mem_gb": result["peak_mem_gb"],
         "params": result["params"], "baseline_params": result["baseline_params"],
         "param_overhead_pct": result["param_overhead_pct"], "device": result["device"],
-        "routing_backend": result["routing_backend"],
+        "routing_backend": result["routing_backend"], "environment": result.get("environment"),
     }
     for k, v in attrs.items():
         trial.set_user_attr(k, _finite_or_str(v))
@@ -506,12 +697,19 @@ def tune_arms(sr: StudyRun, configs, storage, log, stop, url: str | None = None)
             lr = trial.suggest_float("lr", base.optim.lr / 10, base.optim.lr * 10, log=True)
             cfg = sr.definition.arm_config(arm, 0, sr.budget, sr.overrides)
             cfg.optim.lr = lr
-            run_dir = Path(trial.user_attrs.get("run_dir") or sr.folder / "tune" / f"{arm.replace(':', '')}-t{trial.number}")
-            trial.set_user_attr("run_dir", str(run_dir))
-            result = train_run(cfg, run_dir, sr.output / "cache", resume=True, log=log, stop=stop,
-                               title=f"tune {arm} lr={lr:.2e}: ", position=1, log_evals=False)
+            run_dir = under_output(sr.output, trial.user_attrs.get("run_dir"),
+                                   sr.folder / "tune" / f"{arm.replace(':', '')}-t{trial.number}")
+            trial.set_user_attr("run_dir", run_dir.relative_to(sr.output).as_posix())
+            try:
+                result = train_run(cfg, run_dir, sr.output / "cache", resume=True, log=log, stop=stop,
+                                   title=f"tune {arm} lr={lr:.2e}: ", position=1, log_evals=False,
+                                   allow_version_change=sr.allow_version_change)
+            except UsageError as e:
+                raise UsageError(f"tuning arm {arm!r}: {e}") from None
             if result["status"] == "interrupted":
                 raise KeyboardInterrupt
+            if not sr.keep_checkpoints:
+                drop_checkpoints(run_dir)
             return result["final_val_loss"] if result["status"] == "completed" else float("inf")
 
         while sum(t.state == TrialState.COMPLETE for t in study.get_trials(deepcopy=False)) < sr.tune_trials:
@@ -539,6 +737,8 @@ def load_studies(output: Path, name: str, budget: str | None, storage: str | Non
         st_obj = open_storage(url, create=False)
         try:
             have = {s.study_name for s in optuna.get_all_study_summaries(st_obj, include_best_trial=False)}
+        except json.JSONDecodeError as e:  # an attribute that is not JSON
+            raise corrupt(key, url, e) from None
         except Exception as e:
             raise UsageError(f"cannot read study storage {redact(url)}: {redact(str(e).splitlines()[0])}") from None
         names |= have
@@ -555,5 +755,6 @@ def load_studies(output: Path, name: str, budget: str | None, storage: str | Non
         raise UsageError(f"no study {name!r}{' with --budget ' + budget if budget else ''} in {output}"
                          + (f" (found: {', '.join(have)})" if have else " (run `mhar-ablate study NAME` first)"))
     for s in found:
+        check_readable(s, find_storage(output, s.study_name, storage) or "")
         check_compatible(s, None, s.study_name)
     return found

@@ -210,7 +210,8 @@ def work(sr, study, configs, tuned: dict[str, float], slot: Slot, log: Callable[
     import optuna
     from optuna.trial import TrialState
 
-    from .study import DONE_STATES, _pruning_reporter, _record
+    from .errors import UsageError
+    from .study import DONE_STATES, _pruning_reporter, _record, drop_checkpoints
     from .training.run import quiet_lightning, train_run
 
     quiet_lightning()
@@ -238,21 +239,27 @@ def work(sr, study, configs, tuned: dict[str, float], slot: Slot, log: Callable[
         cfg = configs[(arm, seed)]
         if arm in tuned:
             cfg.optim.lr = tuned[arm]
-        run_dir = sr.folder / f"{arm.replace(':', '')}-s{seed}"
-        trial.set_user_attr("run_dir", str(run_dir))
+        run_dir = sr.run_dir(arm, seed)
+        trial.set_user_attr("run_dir", run_dir.relative_to(sr.output).as_posix())  # a copied study stays whole
         trial.set_user_attr("lr", cfg.optim.lr)
+        trial.set_user_attr("keep_checkpoints", sr.keep_checkpoints)
         title = f"[{done_count() + 1}/{len(grid)}] {arm} s{seed}: "
         if "failed_trial" in _system_attrs(study, trial):
             log(f"{title}resuming from the checkpoint of a worker that died")
         on_eval = _pruning_reporter(trial, sr.budget) if sr.prune else None
-        result = train_run(cfg, run_dir, cache, resume=True, on_eval=on_eval, log=log, title=title, stop=stop,
-                           position=1, log_evals=False)
+        try:
+            result = train_run(cfg, run_dir, cache, resume=True, on_eval=on_eval, log=log, title=title, stop=stop,
+                               position=1, log_evals=False, allow_version_change=sr.allow_version_change)
+        except UsageError as e:
+            raise UsageError(f"arm {arm!r} seed {seed}: {e}") from None
         _record(trial, result)
         status = result["status"]
         if status == "interrupted":
             summary["interrupted"] = True
-            log(f"{title}interrupted; rerun the same command to resume from the checkpoint")
+            log(f"{title}interrupted ({result['reason']}); rerun the same command to resume it")
             raise Interrupted()
+        if not sr.keep_checkpoints:  # result.json is written: a rerun that finds it needs no checkpoint
+            drop_checkpoints(run_dir)
         summary["ran"] += 1
         log(f"{title}{status}, val loss {result['final_val_loss']:.4f} at step {result['step']}, "
             f"{result['seconds']:.1f}s trained, {result['tokens_per_s'] or 0:,.0f} tokens/s")

@@ -1,4 +1,5 @@
-"""Shared fixtures: seeded RNG, a tiny config, and CLI runs in-process."""
+"""Shared test setup: offline datasets, two torch threads, a seeded RNG for every test, and a PostgreSQL
+server for the tests that need one."""
 
 from __future__ import annotations
 
@@ -16,16 +17,6 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-
-@pytest.fixture
-def tiny_cfg():
-    from mhar_ablate.config import build_config
-
-    def make(**overrides):
-        return build_config(overrides={k.replace("__", "."): v for k, v in overrides.items()})
-
-    return make
 
 
 @pytest.fixture(scope="session")

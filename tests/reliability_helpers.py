@@ -69,3 +69,14 @@ def run_and_signal(args: list[str], study_folder: Path, sig: signal.Signals, tim
 def final_losses(study_folder: Path) -> dict[str, float]:
     return {p.name: json.loads((p / "result.json").read_text())["final_val_loss"]
             for p in sorted(study_folder.iterdir()) if (p / "result.json").exists()}
+
+
+def fail_running_trials(output: Path, key: str = "pair-steps") -> None:
+    """What the rerun's check for dead workers does for a process that was killed mid-trial: an
+    in-process "kill" leaves its trial running under a process that still exists."""
+    import optuna
+    from optuna.trial import TrialState
+
+    study = optuna.load_study(study_name=key, storage=f"sqlite:///{output / 'studies.db'}")
+    for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        study.tell(t.number, state=TrialState.FAIL)

@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
-import json
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -27,7 +31,7 @@ def one_line(err: str) -> str:
 
 
 CASES = [
-    (["study", "nosuch"], "unknown studie"),
+    (["study", "nosuch"], "unknown study 'nosuch'"),
     (["study", "heads", "model.preset=huge"], "unknown config 'huge'"),
     (["study", "heads", "model.d_modle=64"], "unknown config key"),
     (["study", "grouping", "residual.heads=3"], "does not divide"),
@@ -42,6 +46,12 @@ CASES = [
     (["train", "--steps", "-3"], "must be positive"),
     (["train", "--resume", "nosuchrun"], "no run"),
     (["train", "--config", "/no/such.yaml"], "not found"),
+    (["train", "seed=-1"], "seed must be between 0 and 4294967295"),
+    (["train", "seed=4294967296"], "seed must be between 0 and 4294967295"),
+    (["train", "train.threads=-1"], "train.threads must be at least 1"),
+    (["train", "optim.lr=inf"], "optim.lr must be a finite number"),
+    (["train", "optim.weight_decay=nan"], "optim.weight_decay must be a finite number"),
+    (["train", "--config", "/bin/sh"], "not a text file"),
     (["export", "heads"], "no study database"),
     (["frobnicate"], "invalid choice"),
 ]
@@ -112,3 +122,194 @@ def test_debug_shows_the_traceback(capsys):
 
     with pytest.raises(UsageError):
         main(["train", "residual.heads=3", "--debug"])
+
+
+# --------------------------------------------------------------------------- round two
+
+def study_file(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "bad.yaml"
+    path.write_text(body)
+    return path
+
+
+@pytest.mark.parametrize("body,needle", [
+    ("arms: {a: 5}\n", "arm 'a' must map config keys to values"),
+    ("arms: {a: {residual.kind: baseline}}\nbudgets: [steps]\n", "'budgets' must map steps and/or wallclock"),
+    ("arms: {a: {residual.kind: baseline}}\nbudgets: {steps: -4}\n", "budgets.steps must be a positive integer"),
+    ("arms: {a: {residual.kind: baseline}}\nfixed: [1]\n", "'fixed' must map config keys"),
+    ("arms: {a: {residual.kind: baseline}}\nseeds: true\n", "seeds must be a positive integer"),
+])
+def test_malformed_study_files_are_one_line(tmp_path, capsys, body, needle):
+    code, err = run_cli(capsys, "study", str(study_file(tmp_path, body)), "--output", str(tmp_path / "out"))
+    assert code == 2 and needle in one_line(err)
+
+
+@pytest.fixture
+def cache_elsewhere(tmp_path, monkeypatch):
+    """The token cache in its own folder (as with MHAR_ABLATE_CACHE), so that nothing about the output
+    folder is found while the data load."""
+    monkeypatch.setenv("MHAR_ABLATE_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("command", ["train", "study"])
+def test_an_output_path_that_is_a_file(tmp_path, capsys, cache_elsewhere, command):
+    (tmp_path / "out").write_text("a file\n")
+    args = ["train", "--steps", "2"] if command == "train" else ["study", str(write_study(tmp_path, steps=2)), "--seeds", "1"]
+    code, err = run_cli(capsys, *args, "--output", str(tmp_path / "out"), *FAST)
+    assert code == 2 and "is a file, not a folder" in one_line(err)
+    assert (tmp_path / "out").read_text() == "a file\n"
+
+
+@contextlib.contextmanager
+def read_only(path: Path):
+    """``path`` and everything in it read-only: by permission bits for a user, by the immutable flag for
+    root (whom permission bits do not stop)."""
+    if os.geteuid() != 0:
+        modes = {p: p.stat().st_mode for p in [path, *path.rglob("*")]}
+        for p in modes:
+            p.chmod(modes[p] & ~0o222)
+        try:
+            yield
+        finally:
+            for p, m in modes.items():
+                p.chmod(m)
+        return
+    if subprocess.run(["chattr", "-R", "+i", str(path)], capture_output=True).returncode:
+        pytest.skip("this file system cannot make a folder read-only for root (chattr +i)")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-R", "-i", str(path)], check=True)
+
+
+@pytest.mark.parametrize("command", ["train", "study"])
+def test_a_read_only_output_folder_is_one_line(tmp_path, capsys, cache_elsewhere, command):
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["train", "--steps", "2"] if command == "train" else ["study", str(write_study(tmp_path, steps=2)), "--seeds", "1"]
+    with read_only(out):
+        code, err = run_cli(capsys, *args, "--output", str(out), *FAST)
+    assert code == 2 and "cannot be written" in one_line(err)
+    assert not list(out.iterdir())
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished two-trial study: each test works on its own copy."""
+    tmp = tmp_path_factory.mktemp("finished")
+    out = tmp / "out"
+    assert main(["study", str(write_study(tmp, steps=2)), "--output", str(out), "--seeds", "1", *FAST]) == 0
+    return tmp
+
+
+@pytest.fixture
+def study_copy(finished, tmp_path):
+    shutil.copytree(finished, tmp_path / "copy")
+    return tmp_path / "copy"
+
+
+def test_rerunning_a_finished_study_in_a_read_only_folder_prints_its_table(study_copy, capsys, cache_elsewhere):
+    args = ["study", str(study_copy / "pair.yaml"), "--output", str(study_copy / "out"), "--seeds", "1", *FAST]
+    capsys.readouterr()
+    with read_only(study_copy / "out"):
+        code = main(args)
+    printed = capsys.readouterr()
+    assert code == 0, printed.err
+    assert "| mhar-h2 | 1 |" in printed.out and "nothing to train" in printed.out
+
+
+def test_a_corrupt_study_attribute_is_one_line(study_copy, capsys):
+    import sqlite3
+
+    db = study_copy / "out" / "studies.db"
+    with sqlite3.connect(db) as con:
+        con.execute("UPDATE study_user_attributes SET value_json = '{not json' WHERE key = 'arms'")
+    for args in (["study", str(study_copy / "pair.yaml"), "--seeds", "1", *FAST], ["export", "pair"]):
+        code, err = run_cli(capsys, *args, "--output", str(study_copy / "out"))
+        assert code == 2 and "cannot be read: an attribute or a trial is corrupt" in one_line(err)
+
+
+def test_a_changed_seed_count_is_one_line(study_copy, capsys):
+    code, err = run_cli(capsys, "study", str(study_copy / "pair.yaml"), "--output", str(study_copy / "out"),
+                        "--seeds", "2", *FAST)
+    assert code == 2 and "was run with 1 seed(s) per arm; --seeds 2 would change its grid" in one_line(err)
+
+
+def test_a_checkpoint_from_another_arm_is_one_line(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["train", "--output", str(out), "--steps", "2", "residual.kind=baseline", *FAST]) == 0
+    assert main(["train", "--output", str(out), "--steps", "2", "residual.kind=mhar", "residual.heads=4", *FAST]) == 0
+    baseline, = (out / "runs").glob("*baseline*")
+    mhar, = (out / "runs").glob("*mhar*")
+    (mhar / "result.json").unlink()  # an unfinished run, whose checkpoint is then swapped for another arm's
+    shutil.copy(baseline / "checkpoints" / "last.ckpt", mhar / "checkpoints" / "last.ckpt")
+    capsys.readouterr()
+    code, err = run_cli(capsys, "train", "--output", str(out), "--resume", mhar.name)
+    line = one_line(err)
+    assert code == 2 and "was written by another run (arm 'baseline', seed 0)" in line and "residual.kind" in line
+
+
+def test_a_run_folder_deleted_while_it_trains_is_one_line(tmp_path, capsys, monkeypatch):
+    from mhar_ablate.training.module import LMModule
+
+    out = tmp_path / "out"
+    real = LMModule.training_step
+
+    def deletes_its_folder(self, batch, idx):
+        if self.global_step == 3:
+            shutil.rmtree(next((out / "runs").iterdir()))
+        return real(self, batch, idx)
+
+    monkeypatch.setattr(LMModule, "training_step", deletes_its_folder)
+    code, err = run_cli(capsys, "train", "--output", str(out), "--steps", "8", *FAST)
+    assert code == 2 and "was deleted while it trained" in one_line(err)
+    assert not list((out / "runs").iterdir()), "the folder is not recreated"
+
+
+def test_every_grid_point_is_checked_before_the_first_trial_trains(tmp_path, capsys):
+    """A corrupt checkpoint of the last grid point, or an arm whose vocabulary is too small, used to
+    be found only when that trial came up, after the others had trained, without naming the arm."""
+    out = tmp_path / "out"
+    path = write_study(tmp_path, steps=2, extra_arm="  small-vocab: {residual.kind: baseline, model.vocab_size: 100}\n")
+    code, err = run_cli(capsys, "study", str(path), "--output", str(out), "--seeds", "1", *FAST)
+    assert code == 2 and "arm 'small-vocab' seed 0: model.vocab_size=100 is smaller than" in one_line(err)
+    assert not (out / "studies").exists(), "nothing trained"
+
+    path = write_study(tmp_path, steps=2)
+    ckpt = out / "studies" / "pair" / "steps" / "mhar-h2-s0" / "checkpoints" / "last.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_bytes(b"not a checkpoint" * 64)
+    code, err = run_cli(capsys, "study", str(path), "--output", str(out), "--seeds", "1", *FAST)
+    assert code == 2 and "arm 'mhar-h2' seed 0: checkpoint" in one_line(err) and "cannot be loaded safely" in err
+    assert not (out / "studies" / "pair" / "steps" / "baseline-s0").exists(), "nothing trained"
+    assert ckpt.read_bytes() == b"not a checkpoint" * 64  # left for the user to look at
+
+
+def test_options_that_do_not_apply_are_a_warning(tmp_path, capsys, study_copy):
+    code = main(["train", "--output", str(tmp_path / "out"), "--budget", "steps", "--steps", "2", "--time", "5s", *FAST])
+    err = capsys.readouterr().err
+    assert code == 0 and "warning: --time applies to --budget wallclock" in err
+    code = main(["study", str(study_copy / "pair.yaml"), "--output", str(study_copy / "out"), "--seeds", "1",
+                 "seed=5", "--time", "5s", "--trials", "3", *FAST])
+    warnings = [l for l in capsys.readouterr().err.splitlines() if l.startswith("warning:")]
+    assert code == 0 and len(warnings) == 3, warnings
+    assert "seed=5 is ignored" in warnings[1] and "--trials is ignored without --tune" in warnings[2]
+
+
+def test_the_resume_hint_repeats_the_whole_command(tmp_path, capsys, monkeypatch):
+    from mhar_ablate.training.module import LMModule
+
+    real = LMModule.training_step
+
+    def ctrl_c(self, batch, idx):
+        if self.global_step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self, batch, idx)
+
+    monkeypatch.setattr(LMModule, "training_step", ctrl_c)
+    out = tmp_path / "my out"
+    code, err = run_cli(capsys, "study", str(write_study(tmp_path)), "--output", str(out), "--steps", "4",
+                        "--seeds", "1", *FAST)
+    hint = next(l for l in err.splitlines() if l.startswith("interrupted: rerun"))
+    assert code == 130
+    assert f"--output '{out}'" in hint and "--steps 4" in hint and "--seeds 1" in hint and "train.threads=1" in hint

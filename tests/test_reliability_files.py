@@ -104,3 +104,72 @@ def test_corrupt_data_cache_is_rebuilt_not_trusted(tmp_path):
         f.truncate(10)
     again = load_corpus(cfg, tmp_path / "cache")
     assert len(again.train) == len(expected) and (again.train == expected).all()
+
+
+# --------------------------------------------------------------------------- everything stays under --output
+
+def test_export_of_a_copied_or_moved_study_writes_only_under_its_output(finished_study, tmp_path, capsys):
+    import shutil
+
+    original_table = finished_study / "studies" / "pair" / "steps" / "table.md"
+    original_table.unlink(missing_ok=True)
+    copy = tmp_path / "copy"
+    shutil.copytree(finished_study, copy)
+    assert main(["export", "pair", "--output", str(copy)]) == 0
+    written = capsys.readouterr().err.split("written: ", 1)[1].strip().split(", ")
+    assert written and all(Path(f).resolve().is_relative_to(copy.resolve()) for f in written), written
+    assert (copy / "studies" / "pair" / "steps" / "table.md").is_file()
+    assert not original_table.exists(), "the original study was not written to"
+    moved = tmp_path / "moved"
+    copy.rename(moved)
+    assert main(["export", "pair", "--output", str(moved)]) == 0
+    assert not copy.exists(), "the old location was not recreated"
+
+
+# --------------------------------------------------------------------------- disk
+
+def test_finished_trials_checkpoints_are_removed(finished_study):
+    runs = sorted((finished_study / "studies" / "pair" / "steps").glob("*-s0"))
+    assert len(runs) == 2 and all((r / "result.json").is_file() for r in runs)
+    assert not list(finished_study.rglob("*.ckpt")), "a finished trial keeps no checkpoint"
+
+
+def test_keep_checkpoints_keeps_them(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["study", str(write_study(tmp_path, steps=2)), "--output", str(out), "--seeds", "1",
+                 "--keep-checkpoints", *FAST]) == 0
+    assert len(list(out.rglob("last.ckpt"))) == 2
+
+
+def test_a_trial_does_not_start_without_room_for_its_checkpoints(tmp_path, capsys, monkeypatch):
+    from collections import namedtuple
+
+    import mhar_ablate.io as io_mod
+    from mhar_ablate.config import build_config
+    from mhar_ablate.model import routing_overhead
+    from mhar_ablate.training.checkpoint import checkpoint_bytes
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(io_mod.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 10**6, 10**6))  # 1 MB free
+    out = tmp_path / "out"
+    code = main(["study", str(write_study(tmp_path, steps=2)), "--output", str(out), "--seeds", "1", *FAST])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err and "not enough free space" in err
+    cfg = build_config(overrides={"residual.kind": "baseline"})
+    needed = 2 * checkpoint_bytes(routing_overhead(cfg.model, cfg.residual, 256)[0])  # a checkpoint and its replacement
+    assert "arm 'baseline' seed 0: not enough free space" in err
+    assert f"needs about {io_mod.human_bytes(needed)}" in err and "which has 1.0 MB free" in err
+    assert not list(out.rglob("result.json")) and not list(out.rglob("*.ckpt"))
+
+
+def test_checkpoint_size_estimate_covers_a_real_checkpoint(tmp_path):
+    from mhar_ablate.config import build_config
+    from mhar_ablate.model import routing_overhead
+    from mhar_ablate.training.checkpoint import checkpoint_bytes
+    from mhar_ablate.training.run import train_run
+
+    cfg = build_config(overrides=dict(a.split("=", 1) for a in FAST) | {"train.steps": "2"})
+    train_run(cfg, tmp_path / "run", tmp_path / "cache", log=lambda m: None)
+    params = routing_overhead(cfg.model, cfg.residual, 256)[0]
+    size = (tmp_path / "run" / "checkpoints" / "last.ckpt").stat().st_size
+    assert 12 * params <= size <= checkpoint_bytes(params)  # fp32 weights and AdamW's two moments

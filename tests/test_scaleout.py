@@ -84,7 +84,9 @@ def owner_of(url: str, run_dir: Path, timeout: float = 30) -> tuple[int, int]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for t in load(url).get_trials(deepcopy=False):
-            if t.state.name == "RUNNING" and t.user_attrs.get("run_dir") == str(run_dir) and "pid" in t.user_attrs:
+            recorded = t.user_attrs.get("run_dir")  # relative to the output folder
+            if t.state.name == "RUNNING" and recorded and run_dir.as_posix().endswith("/" + recorded) \
+                    and "pid" in t.user_attrs:
                 return t.user_attrs["pid"], t.number
         time.sleep(0.05)
     raise AssertionError(f"no running trial owns {run_dir}")

@@ -34,23 +34,43 @@ def study_run(tmp_path, budget="steps", **kw) -> StudyRun:
                     seeds=kw.pop("seeds", 2), **kw)
 
 
-def test_study_interrupt_resume_rerun_and_export(tmp_path, capsys):
+def stop_at_step(monkeypatch, stop: StopRequest, n: int, signal: str = "SIGINT") -> None:
+    """Request a stop in the n-th training step of the process (counting across trials)."""
+    from mhar_ablate.training.module import LMModule
+
+    steps = {"n": 0}
+    real_step = LMModule.training_step
+
+    def step(self, batch, idx):
+        steps["n"] += 1
+        if steps["n"] == n:
+            stop.signal = signal
+        return real_step(self, batch, idx)
+
+    monkeypatch.setattr(LMModule, "training_step", step)
+
+
+def test_study_interrupt_resume_rerun_and_export(tmp_path, capsys, monkeypatch, caplog):
     sr = study_run(tmp_path)
     stop = StopRequest()
     lines: list[str] = []
-
-    def log(msg: str) -> None:
-        lines.append(msg)
-        if "completed" in msg:  # the first trial finished: interrupt the second one mid-way
-            stop.signal = "SIGINT"
-
-    first = run_study(sr, stop=stop, log=log)
+    stop_at_step(monkeypatch, stop, 8)  # the first trial trains 6 steps: interrupt the second one mid-way
+    first = run_study(sr, stop=stop, log=lines.append)
+    monkeypatch.undo()
     assert first["interrupted"] and first["ran"] == 1
     interrupted = [p for p in sr.folder.iterdir() if (p / "checkpoints" / "last.ckpt").exists()
                    and json.loads((p / "result.json").read_text())["status"] == "interrupted"]
     assert len(interrupted) == 1, "the interrupted trial left a checkpoint to resume from"
 
-    second = run_study(sr, log=lines.append)
+    import logging
+
+    import optuna
+
+    optuna.logging.enable_propagation()  # Optuna's own handler writes around pytest's capture
+    with caplog.at_level(logging.WARNING, logger="optuna"):
+        second = run_study(sr, log=lines.append)
+    optuna.logging.disable_propagation()
+    assert not [r for r in caplog.records if r.name.startswith("optuna")], "a resumed study prints no Optuna warnings"
     assert not second["interrupted"] and second["ran"] == 3 and second["done"] == 4
     resumed = json.loads((interrupted[0] / "result.json").read_text())
     assert resumed["status"] == "completed" and resumed["step"] == 6
@@ -61,6 +81,8 @@ def test_study_interrupt_resume_rerun_and_export(tmp_path, capsys):
     assert "nothing to train" in lines[-1]
 
     (study,) = load_studies(sr.output, "pair", "steps", None)
+    states = sorted(t.state.name for t in study.trials)
+    assert states == ["COMPLETE"] * 4 + ["FAIL"], "one failed trial: the interruption, and no other"
     table = build_table(study)
     assert [r["arm"] for r in table.rows] == ["baseline", "mhar-h2"]
     assert all(r["n"] == 2 for r in table.rows)
@@ -81,10 +103,11 @@ def test_study_interrupt_resume_rerun_and_export(tmp_path, capsys):
     assert data["at_step"] == 6 and len(data["rows"]) == 2
 
 
-def test_unfinished_study_export_names_the_missing_trials(tmp_path):
+def test_unfinished_study_export_names_the_missing_trials(tmp_path, monkeypatch):
     sr = study_run(tmp_path, seeds=1)
     stop = StopRequest()
-    run_study(sr, stop=stop, log=lambda m: setattr(stop, "signal", "SIGTERM") if "completed" in m else None)
+    stop_at_step(monkeypatch, stop, 8, "SIGTERM")
+    run_study(sr, stop=stop, log=lambda m: None)
     (study,) = load_studies(sr.output, "pair", "steps", None)
     md = render(build_table(study), "md")
     assert "Missing trials:" in md and "crashed or interrupted" in md

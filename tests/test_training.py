@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
@@ -130,8 +129,6 @@ def test_validation_set_is_identical_across_arms_and_seeds(tmp_path):
 def test_resume_continues_the_same_run(tmp_path):
     """Stop at step 6 of 12, resume: same steps, clock continuity, schedule, batches and losses as an
     uninterrupted run."""
-    from mhar_ablate.data import TokenDataModule
-
     batches: dict[str, list[torch.Tensor]] = {"full": [], "split": []}
     orig = LMModule.training_step
     current = {"key": "full"}

@@ -96,7 +96,7 @@ class BudgetCallback(L.Callback):
         # Under DDP every rank takes the same decisions (distributed.py): a read-out when any rank wants one
         # (each rank's clock estimate is its own), a stop asked on any rank (rank 0 has the signal handler),
         # a checkpoint due on any rank (saving is collective). On one process: the local values.
-        save_due = time.monotonic() - self._last_save >= self.checkpoint_every
+        save_due = self._mark_due()
         _, (read, stopped, save_due) = distributed.agree(0.0, self._read_due(step, module), bool(self.stop), save_due)
         if not read:
             return
@@ -114,8 +114,8 @@ class BudgetCallback(L.Callback):
             self._finish(trainer, module, "completed", "")
         elif stopped:
             self._finish(trainer, module, "interrupted", f"stopped by {self.stop.signal or 'rank 0'}")
-        elif due and save_due:
-            self._save(trainer)
+        elif due or save_due:
+            self._save(trainer)  # at every evaluation, and between them every checkpoint_every seconds
 
     def on_train_end(self, trainer: L.Trainer, module: LMModule) -> None:
         if self.status == "running":  # Lightning stopped first (max_steps): same end as our own check
@@ -129,13 +129,17 @@ class BudgetCallback(L.Callback):
     def _read_due(self, step: int, module: LMModule) -> bool:
         """Whether to read the device after this step: decided on the host, from the clock's estimate."""
         clock = module.clock
-        if clock.free_readout or self.stop or step - self._last_read >= self.log_every:
+        if clock.free_readout or self.stop or step - self._last_read >= self.log_every or self._mark_due():
             return True
         estimate = clock.estimate()
         if self.budget.exhausted(step, estimate) or self.budget.progress(step, estimate) >= self.next_eval / self.eval_every:
             return True
         margin = (NEAR_END_STEPS + ESTIMATE_ERROR * clock.steps) * (clock.seconds_per_step or 0.0)
         return self.budget.kind == "wallclock" and estimate + margin >= self.budget.seconds
+
+    def _mark_due(self) -> bool:
+        """``checkpoint_every`` wall-clock seconds have passed since the last checkpoint."""
+        return bool(self.checkpoint_every) and time.monotonic() - self._last_save >= self.checkpoint_every
 
     def _read_out(self, trainer: L.Trainer, module: LMModule) -> None:
         """Close the clock's segment, then log the steps since the last read-out; a step whose loss or
@@ -225,6 +229,10 @@ class BudgetCallback(L.Callback):
         return f"{format_seconds(max(self.budget.seconds - seconds, 0))} left"
 
     def _save(self, trainer: L.Trainer) -> None:
+        with self.stop.deferred():  # a second Ctrl-C waits until the checkpoint is whole
+            self._write_checkpoint(trainer)
+
+    def _write_checkpoint(self, trainer: L.Trainer) -> None:
         """Checkpoint atomically: a kill mid-write leaves the previous checkpoint intact."""
         t0 = time.perf_counter()
         self.checkpoint.parent.mkdir(parents=True, exist_ok=True)

@@ -2,14 +2,23 @@
 the data, the Lightning Trainer, resume from the folder's own checkpoint, and a result that studies read.
 
 A run folder holds ``config.yaml`` (the resolved configuration), ``tb/`` (TensorBoard), ``checkpoints/
-last.ckpt`` (written atomically), ``result.json`` (status, the (step, seconds, tokens, loss) curve,
-throughput, memory, parameters) and ``routing.png`` (the final depth weights of a routed model).
+last.ckpt`` (written atomically at every evaluation, every ``train.checkpoint_every`` seconds between
+them, on a stop and at the end), ``result.json`` (status, the (step, seconds, tokens, loss) curve,
+throughput, memory, parameters, the library versions) and ``routing.png`` (the final depth weights of a
+routed model).
+
+Continuing a folder (``resume``) never loses or rewrites a result: a finished run's ``result.json`` is
+returned as it is, a checkpoint written at the end of the budget is turned into the result without
+training, and anything else continues from the checkpoint (or from the start where there is none).
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import math
+import threading
 import time
 import warnings
 from datetime import datetime
@@ -24,15 +33,18 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ..config import RunConfig, from_dict
 from ..errors import UsageError
-from ..io import write_json, write_text
+from ..io import human_bytes, require_free_space, write_json, write_text
 from ..model import routing_overhead
+from ..provenance import describe_differences, differences, environment
 from . import distributed
-from .budget import Budget
+from .budget import Budget, format_seconds
 from .callbacks import BudgetCallback, ProgressBar
-from .stop import StopRequest
+from .checkpoint import (CHECKPOINT, RECORD, check_fits, checkpoint_bytes, identity, identity_differences,
+                         read_checkpoint, record_of, resume_point)
 from .module import LMModule
+from .stop import StopNow, StopRequest
 
-CHECKPOINT = Path("checkpoints") / "last.ckpt"
+FINISHED = ("completed", "diverged", "pruned")  # a result that is never trained again
 
 
 def quiet_lightning() -> None:
@@ -74,22 +86,54 @@ def find_run(output: Path, name: str) -> Path:
 def load_run_config(run_dir: Path) -> RunConfig:
     try:
         data = yaml.safe_load((run_dir / "config.yaml").read_text())
-    except (OSError, yaml.YAMLError) as e:
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as e:
         raise UsageError(f"cannot read {run_dir / 'config.yaml'}: {e}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{run_dir / 'config.yaml'} is not a run configuration")
     return from_dict(data)
 
 
-def read_checkpoint(path: Path) -> dict[str, Any]:
-    """Load a checkpoint without unpickling arbitrary objects (``weights_only``): a tampered file is
-    refused, never executed. An unreadable one is a clear error, not a traceback."""
-    import pickle
-
+def check_run_folder(run_dir: Path, cfg: RunConfig, ignore: tuple[str, ...] = ()) -> None:
+    """A folder that already holds a run must hold this run (its ``config.yaml``), or continuing it
+    would mix two runs; settings in ``ignore`` are not compared."""
+    if not (run_dir / "config.yaml").is_file():
+        return
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, KeyError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"checkpoint {path} cannot be loaded safely ({first[:160]}); "
-                         "delete it to restart this run from the beginning") from None
+        saved = identity(load_run_config(run_dir))
+    except UsageError as e:
+        raise UsageError(f"run folder {run_dir} holds an unreadable run ({e}); delete it to train this run afresh") from None
+    diffs = identity_differences(saved, cfg, ignore)
+    if diffs:
+        raise UsageError(f"run folder {run_dir} holds another run ({', '.join(diffs[:4])}{' ...' if len(diffs) > 4 else ''}); "
+                         "delete it, or use another --output folder")
+
+
+def finished_result(run_dir: Path) -> dict[str, Any] | None:
+    """The run's ``result.json`` if it records a finished run (completed, diverged or pruned)."""
+    try:
+        result = json.loads((run_dir / "result.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(result, dict) or result.get("status") not in FINISHED:
+        return None
+    # Strict JSON holds a non-finite loss as its string ("nan", "inf"): back to the float it was.
+    for point in [result, *(p for p in result.get("curve") or [] if isinstance(p, dict))]:
+        for key in ("final_val_loss", "val_loss", "seconds"):
+            if isinstance(point.get(key), str):
+                try:
+                    point[key] = float(point[key])
+                except ValueError:
+                    return None
+    return result
+
+
+def check_versions(record: dict[str, Any], path: Path) -> None:
+    """A checkpoint continues only under the library versions it was written with."""
+    diffs = differences(record.get("environment"), environment())
+    if diffs:
+        old, new = describe_differences(diffs)
+        raise UsageError(f"checkpoint {path} was written under {old}; this environment has {new}: "
+                         "rerun with --allow-version-change to continue it under these versions")
 
 
 def flops_per_token(cfg: RunConfig, params: int) -> float:
@@ -116,23 +160,162 @@ def use_compile_cache(cache_dir: Path) -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(cache_dir).resolve() / "inductor"))
 
 
+class CheckpointRecord(L.Callback):
+    """Writes the run's record into every checkpoint (see ``checkpoint.py``), and stops the run with
+    one clear error when its folder disappears while it trains."""
+
+    def __init__(self, cfg: RunConfig, budget_cb: BudgetCallback, run_dir: Path, watch_folder: bool = True):
+        self.cfg, self.budget_cb, self.run_dir, self.watch_folder = cfg, budget_cb, run_dir, watch_folder
+        self.saved_step: int | None = None  # the step of the last checkpoint this process wrote
+
+    def on_save_checkpoint(self, trainer: L.Trainer, module: LMModule, checkpoint: dict[str, Any]) -> None:
+        weights = module.model.residual.last_weights()
+        cb = self.budget_cb
+        checkpoint[RECORD] = {
+            "identity": identity(self.cfg), "arm": arm_label(self.cfg), "seed": self.cfg.seed,
+            "status": cb.status, "reason": cb.reason, "seconds": module.clock.elapsed, "curve": list(cb.curve),
+            "peak_mem_gb": cb.peak_mem_gb,
+            "routing_weights": None if weights is None else [w.detach().float().cpu() for w in weights],
+            "run_mode": _run_mode(module, cb), "environment": environment(), "saved_at": time.time(),
+        }
+        self.saved_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if self.watch_folder and not self.run_dir.is_dir():
+            raise UsageError(_deleted(self.run_dir))
+
+
+def _deleted(run_dir: Path) -> str:
+    return f"run folder {run_dir} was deleted while it trained; rerun to train this run again from the start"
+
+
+@contextlib.contextmanager
+def _quiet_writer_threads(run_dir: Path):
+    """TensorBoard writes from a thread of its own: if the run folder is deleted, that thread's
+    traceback would be printed before the run stops with its one line; it is left out."""
+    original = threading.excepthook
+
+    def hook(args):
+        if isinstance(args.exc_value, OSError) and not run_dir.is_dir():
+            return
+        original(args)
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = original
+
+
 def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = False,
               on_eval: Callable[[int, float, float], bool] | None = None, log: Callable[[str], None] = print,
               title: str = "", stop: StopRequest | None = None, position: int = 0,
-              log_evals: bool = True) -> dict[str, Any]:
-    """Train ``cfg`` into ``run_dir`` (continuing its checkpoint if ``resume``); return the result dict.
+              log_evals: bool = True, allow_version_change: bool = False) -> dict[str, Any]:
+    """Train ``cfg`` into ``run_dir`` (continuing what the folder holds if ``resume``); return the result dict.
     With ``train.devices`` > 1 this process becomes rank 0 of a DDP run and starts the other ranks."""
-    from ..data import TokenDataModule
-
+    stop = stop if stop is not None else StopRequest()
     if cfg.train.devices > 1 and not distributed.inside_rank():
+        # A run that is already finished is answered here: no rank may return early while others train.
+        done = _prepare(cfg, run_dir, cache_dir, resume, log, title, stop, allow_version_change, lead=True,
+                        finished_only=True) if resume else None
+        if isinstance(done, dict):
+            return done
         result = distributed.launch(
             cfg.train.devices, train_run, (cfg, run_dir, cache_dir),
-            dict(resume=resume, on_eval=on_eval, log=log, title=title, stop=stop, position=position, log_evals=log_evals),
-            dict(resume=resume, log=_quiet, log_evals=False))
+            dict(resume=resume, on_eval=on_eval, log=log, title=title, stop=stop, position=position, log_evals=log_evals,
+                 allow_version_change=allow_version_change),
+            dict(resume=resume, log=_quiet, log_evals=False, allow_version_change=allow_version_change))
         write_json(run_dir / "result.json", result)  # now with every rank's last step
         return result
     rank = distributed.env_rank() if cfg.train.devices > 1 else 0
     lead = rank == 0  # only rank 0 writes the run folder, logs and reports to Optuna
+
+    prepared = _prepare(cfg, run_dir, cache_dir, resume, log, title, stop, allow_version_change, lead=lead, rank=rank)
+    if isinstance(prepared, dict):
+        return prepared
+    dm, vocab, state, info = prepared
+    ckpt = run_dir / CHECKPOINT
+    budget, tokens_per_step, params = info["budget"], info["tokens_per_step"], info["params"]
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    if cfg.train.compile:
+        use_compile_cache(cache_dir)
+        # A study compiles one model after another in this process: without a reset, Dynamo's in-memory
+        # cache would grow past its limit and fall back to eager; the on-disk cache keeps the reuse.
+        torch._dynamo.reset()
+    module = LMModule(cfg, vocab, autocast=autocast_for(cfg))
+    dm.start_step = cfg.train.first_batch
+    if state is not None:
+        dm.start_step += resume_point(state)[0]  # the data continue where the run stopped
+        del state  # Lightning reads the file itself; a GPU-sized state should not be held twice
+    elif cfg.train.init:
+        from ..model.weights import load_initial, read_state_dict
+
+        load_initial(module.model, read_state_dict(cfg.train.init), f"train.init={cfg.train.init}")
+    budget_cb = BudgetCallback(budget, cfg.train.eval_every, cfg.train.heatmap_every, dm.val_dataloader, ckpt,
+                               tokens_per_step, flops_per_token(cfg, params), on_eval=on_eval if lead else None,
+                               stop=stop if lead else None, log=log if log_evals and lead else None, title=title,
+                               checkpoint_every=cfg.train.checkpoint_every, log_every=cfg.train.log_every)
+    ddp = cfg.train.devices > 1
+    # Under DDP a rank that raised alone would leave the others waiting: the folder is only watched on one process.
+    record_cb = CheckpointRecord(cfg, budget_cb, run_dir, watch_folder=not ddp)
+    bar = ProgressBar(budget, budget_cb, desc=title.strip(" :") or "train", position=position)
+    logger = TensorBoardLogger(str(run_dir), name="tb", version="", default_hp_metric=False) if lead else False
+    trainer = L.Trainer(
+        # Precision and clipping are the step's own (autocast inside TrainStep, clipping before its update).
+        # devices > 1: Lightning's DDP over the ranks that distributed.launch started (use_distributed_sampler
+        # off: each rank slices the global batch itself).
+        accelerator="auto", devices=cfg.train.devices, strategy="ddp" if ddp else "auto", use_distributed_sampler=False,
+        precision="32-true", logger=logger, callbacks=[record_cb, budget_cb, bar] if lead else [budget_cb],
+        max_steps=cfg.train.steps if budget.kind == "steps" else -1, max_epochs=-1,
+        enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1_000_000,
+    )
+    ckpt_path = ckpt if ckpt.is_file() and resume else None
+    try:
+        with _quiet_writer_threads(run_dir):
+            trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
+    except SIGTERMException:
+        # Lightning's own SIGTERM handler exits the process after the step (with status 0). Our handler saw
+        # the same signal, so the budget callback has already checkpointed and marked the run interrupted.
+        pass
+    except StopNow:
+        where = (f"the checkpoint at step {record_cb.saved_step}" if record_cb.saved_step is not None else
+                 "its last checkpoint" if ckpt.is_file() else "the start (no checkpoint yet)")
+        budget_cb.status, budget_cb.reason = "interrupted", f"stopped at once by a second SIGINT; resumes from {where}"
+    except Exception:
+        if not run_dir.is_dir():
+            raise UsageError(_deleted(run_dir)) from None
+        raise
+    if not run_dir.is_dir():
+        raise UsageError(_deleted(run_dir))
+    if budget_cb.status == "running":  # fit returned without our callback deciding: treat as interrupted
+        budget_cb.status, budget_cb.reason = "interrupted", "training stopped early"
+
+    weights = module.model.residual.last_weights()
+    result = _result(budget_cb.status, budget_cb.reason, trainer.global_step, module.clock.elapsed, budget_cb.curve,
+                     budget_cb.peak_mem_gb, weights if lead else None, _run_mode(module, budget_cb), **info)
+    if cfg.train.devices > 1:  # DDP keeps the replicas equal: the launcher compares these across ranks
+        result["weights_sum"] = float(sum(p.detach().double().sum() for p in module.parameters()))
+    if not lead:
+        _release(module, trainer)
+        return result
+    if weights is not None:
+        _save_heatmap(run_dir, weights, arm_label(cfg))
+    if budget_cb.status == "completed":
+        _log_final_hparams(logger, cfg, result)
+    logger.finalize("success")
+    with stop.deferred():  # a second Ctrl-C waits until the result is whole
+        write_json(run_dir / "result.json", result)
+    _release(module, trainer)
+    return result
+
+
+def _prepare(cfg: RunConfig, run_dir: Path, cache_dir: Path, resume: bool, log, title: str, stop: StopRequest,
+             allow_version_change: bool, *, lead: bool, rank: int = 0, finished_only: bool = False):
+    """The data, and what the run folder holds: a finished run's result (returned as it is), a final
+    checkpoint turned into the result, or (data module, vocabulary, checkpoint state, run facts) to train
+    with. ``finished_only``: stop after the finished cases (None when there is something to train)."""
+    from ..data import TokenDataModule
 
     quiet_lightning()
     if cfg.train.threads:
@@ -146,73 +329,77 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
     vocab = cfg.model.vocab_size or dm.vocab_size
     if vocab < dm.vocab_size:
         raise UsageError(f"model.vocab_size={vocab} is smaller than the tokenizer's {dm.vocab_size} tokens")
+    params, base_params, overhead = routing_overhead(cfg.model, cfg.residual, vocab)
     ckpt = run_dir / CHECKPOINT
     if cfg.train.init and not (resume and ckpt.is_file()) and not Path(cfg.train.init).is_file():
         raise UsageError(f"train.init: no such file: {cfg.train.init}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_path = ckpt if resume and ckpt.is_file() else None
-    if lead and (not resume or not (run_dir / "config.yaml").is_file()):
-        write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-    if cfg.train.compile:
-        use_compile_cache(cache_dir)
-        # A study compiles one model after another in this process: without a reset, Dynamo's in-memory
-        # cache would grow past its limit and fall back to eager; the on-disk cache keeps the reuse.
-        torch._dynamo.reset()
-    module = LMModule(cfg, vocab, autocast=autocast_for(cfg))
-    params, base_params, overhead = routing_overhead(cfg.model, cfg.residual, vocab)
-    dm.start_step = cfg.train.first_batch
-    if ckpt_path is not None:
-        # The data continue where the run stopped.
-        dm.start_step += int(read_checkpoint(ckpt_path)["global_step"])
-    elif cfg.train.init:
-        from ..model.weights import load_initial, read_state_dict
-
-
-        load_initial(module.model, read_state_dict(cfg.train.init), f"train.init={cfg.train.init}")
-
+    state: dict[str, Any] | None = None
+    if resume:
+        if lead:
+            check_run_folder(run_dir, cfg)
+            previous = finished_result(run_dir)
+            if previous is not None:  # finished before a kill or a rerun: the result stands as written
+                log(f"{title}{run_dir} already holds a {previous['status']} run (step {previous.get('step')}); "
+                    "nothing to train")
+                return previous
+        if ckpt.is_file():
+            state = read_checkpoint(ckpt)
+            if lead:
+                check_fits(state, cfg, vocab, ckpt)
+                if not allow_version_change:
+                    check_versions(record_of(state), ckpt)
     budget = Budget(cfg.train.budget, cfg.train.steps, cfg.train.time)
-    tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
-    budget_cb = BudgetCallback(budget, cfg.train.eval_every, cfg.train.heatmap_every, dm.val_dataloader, ckpt,
-                               tokens_per_step, flops_per_token(cfg, params), on_eval=on_eval if lead else None,
-                               stop=stop if lead else None, log=log if log_evals and lead else None, title=title,
-                               checkpoint_every=cfg.train.checkpoint_every, log_every=cfg.train.log_every)
-    bar = ProgressBar(budget, budget_cb, desc=title.strip(" :") or "train", position=position)
-    logger = TensorBoardLogger(str(run_dir), name="tb", version="", default_hp_metric=False) if lead else False
-    ddp = cfg.train.devices > 1
-    trainer = L.Trainer(
-        # Precision and clipping are the step's own (autocast inside TrainStep, clipping before its update).
-        # devices > 1: Lightning's DDP over the ranks that distributed.launch started (use_distributed_sampler
-        # off: each rank slices the global batch itself).
-        accelerator="auto", devices=cfg.train.devices, strategy="ddp" if ddp else "auto", use_distributed_sampler=False,
-        precision="32-true", logger=logger, callbacks=[budget_cb, bar] if lead else [budget_cb],
-        max_steps=cfg.train.steps if budget.kind == "steps" else -1, max_epochs=-1,
-        enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1_000_000,
-    )
-    started = time.time()
-    try:
-        trainer.fit(module, datamodule=dm, ckpt_path=ckpt_path, weights_only=True)
-    except SIGTERMException:
-        # Lightning's own SIGTERM handler exits the process after the step (with status 0). Our handler saw
-        # the same signal, so the budget callback has already checkpointed and marked the run interrupted.
-        pass
-    if budget_cb.status == "running":  # fit returned without our callback deciding: treat as interrupted
-        budget_cb.status, budget_cb.reason = "interrupted", "training stopped early"
+    info = dict(cfg=cfg, budget=budget, tokens_per_step=cfg.train.batch_size * cfg.model.seq_len, params=params,
+                base_params=base_params, overhead=overhead, dm=dm, started=time.time())
+    record = record_of(state) if state is not None else {}
+    if lead and record.get("status") == "completed" and not distributed.inside_rank():
+        step, seconds = resume_point(state)  # killed after its last checkpoint: the run is done
+        log(f"{title}the checkpoint at step {step} is this run's end ({format_seconds(seconds)} trained); "
+            "nothing left to train")
+        return _finish_from_record(run_dir, record, step, seconds, stop, **info)
+    if finished_only:
+        return None
+    if lead:
+        size = checkpoint_bytes(params)
+        require_free_space(run_dir, 2 * size - (ckpt.stat().st_size if state is not None else 0),
+                           f"this run's checkpoints ({human_bytes(size)} each, two while one replaces the other)")
+        earlier = (run_dir / "config.yaml").is_file()  # an earlier attempt at this run
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not earlier:
+            write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        if state is not None:
+            step, seconds = resume_point(state)
+            log(f"{title}resuming from the checkpoint at step {step} ({format_seconds(seconds)} trained); "
+                "training after it is redone")
+        elif resume and earlier:
+            log(f"{title}no checkpoint in {run_dir} yet: training this run from the start")
+    return dm, vocab, state, info
 
+
+def _run_mode(module: LMModule, budget_cb: BudgetCallback) -> dict[str, Any]:
+    """Which step mode ran, and the seconds spent outside the clock."""
+    return {"cuda_graph": bool(module.step and module.step.captured),
+            "step_note": module.step.note if module.step else None,
+            "prepare_seconds": module.prepare_seconds,  # compile, warm-up and capture
+            "eval_seconds": budget_cb.eval_seconds, "checkpoint_seconds": budget_cb.save_seconds}
+
+
+def _result(status: str, reason: str, step: int, seconds: float, curve: list[dict[str, float]],
+            peak_mem_gb: float | None, weights, run_mode: dict[str, Any], *, cfg: RunConfig, budget: Budget,
+            tokens_per_step: int, params: int, base_params: int, overhead: float, dm, started: float) -> dict[str, Any]:
     result = {
-        "status": budget_cb.status,
-        "reason": budget_cb.reason,
+        "status": status,
+        "reason": reason,
         "arm": arm_label(cfg),
         "seed": cfg.seed,
         "budget": budget.kind,
-        "step": trainer.global_step,
-        "seconds": module.clock.elapsed,
-        "tokens": trainer.global_step * tokens_per_step,
-        "final_val_loss": budget_cb.curve[-1]["val_loss"] if budget_cb.curve else math.nan,
-        "curve": budget_cb.curve,
-        "tokens_per_s": (trainer.global_step * tokens_per_step / module.clock.elapsed) if module.clock.elapsed else None,
-        "peak_mem_gb": budget_cb.peak_mem_gb,
+        "step": step,
+        "seconds": seconds,
+        "tokens": step * tokens_per_step,
+        "final_val_loss": curve[-1]["val_loss"] if curve else math.nan,
+        "curve": curve,
+        "tokens_per_s": (step * tokens_per_step / seconds) if seconds else None,
+        "peak_mem_gb": peak_mem_gb,
         "params": params,
         "baseline_params": base_params,
         "param_overhead_pct": overhead,
@@ -220,30 +407,37 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
         "devices": cfg.train.devices,
         "routing_backend": _backend_name(cfg),
         "compiled": cfg.train.compile,
-        "cuda_graph": bool(module.step and module.step.captured),  # which mode ran
-        "step_note": module.step.note if module.step else None,
-        "prepare_seconds": module.prepare_seconds,  # compile, warm-up and capture: outside the clock
-        "eval_seconds": budget_cb.eval_seconds,
-        "checkpoint_seconds": budget_cb.save_seconds,
+        **run_mode,  # cuda_graph, step_note, and the seconds of preparation, evaluations and checkpoints
         "wall_seconds": time.time() - started,
         "data": dm.describe(),
+        "environment": environment(),
     }
-    if cfg.train.devices > 1:  # DDP keeps the replicas equal: the launcher compares these across ranks
-        result["weights_sum"] = float(sum(p.detach().double().sum() for p in module.parameters()))
-    if not lead:
-        _release(module, trainer)
-        return result
-    weights = module.model.residual.last_weights()
     if weights is not None:
         result["routing_weights"] = [w.tolist() for w in weights]
-        _save_heatmap(run_dir, weights, arm_label(cfg))
-    if budget_cb.status == "completed":
-        logger.log_hyperparams(_hparams(cfg), {"hparams/final_val_loss": result["final_val_loss"],
-                                               "hparams/tokens_per_s": result["tokens_per_s"] or 0.0})
-    logger.finalize("success")
-    write_json(run_dir / "result.json", result)
-    _release(module, trainer)
     return result
+
+
+def _finish_from_record(run_dir: Path, record: dict[str, Any], step: int, seconds: float, stop: StopRequest,
+                        **info) -> dict[str, Any]:
+    """The result of a run whose final checkpoint was written but whose result was not (a kill in
+    between): everything the result needs is in the checkpoint's record."""
+    cfg = info["cfg"]
+    weights = record.get("routing_weights")
+    result = _result("completed", "", step, float(record.get("seconds", seconds)), list(record.get("curve") or []),
+                     record.get("peak_mem_gb"), weights, dict(record.get("run_mode") or {}), **info)
+    if weights is not None:
+        _save_heatmap(run_dir, weights, arm_label(cfg))
+    logger = TensorBoardLogger(str(run_dir), name="tb", version="", default_hp_metric=False)
+    _log_final_hparams(logger, cfg, result)
+    logger.finalize("success")
+    with stop.deferred():
+        write_json(run_dir / "result.json", result)
+    return result
+
+
+def _log_final_hparams(logger: TensorBoardLogger, cfg: RunConfig, result: dict[str, Any]) -> None:
+    logger.log_hyperparams(_hparams(cfg), {"hparams/final_val_loss": result["final_val_loss"],
+                                           "hparams/tokens_per_s": result["tokens_per_s"] or 0.0})
 
 
 def _release(module: LMModule, trainer: L.Trainer) -> None:

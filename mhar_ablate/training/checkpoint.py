@@ -1,0 +1,99 @@
+"""A run's checkpoint as data: read safely, checked against the run that wants to continue it, and
+what it records about its run (kept free of Lightning, so that a study can check every grid point's
+checkpoint before the first trial trains).
+
+Besides Lightning's own keys, every checkpoint holds a record under ``RECORD`` (written by the run's
+``CheckpointRecord`` callback): the run's identity (its configuration), the status the run had when the
+checkpoint was written (``completed`` for the checkpoint written at the end of the budget), the training
+seconds and curve it had reached, its peak memory, the final routing weights, and the versions it
+ran under. A checkpoint whose record says ``completed`` is a finished run: a rerun rebuilds the result
+from it without training.
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import RunConfig
+from ..errors import UsageError
+
+CHECKPOINT = Path("checkpoints") / "last.ckpt"
+RECORD = "mhar_ablate"
+# Settings that change how a run is executed or logged, not what it computes: a checkpoint carries
+# over between them.
+NOT_IDENTITY = ("train.threads", "train.checkpoint_every", "train.heatmap_every", "train.log_every", "train.compile",
+                "train.cuda_graph", "residual.backend")
+
+
+def read_checkpoint(path: Path, mmap: bool = False) -> dict[str, Any]:
+    """Load a checkpoint without unpickling arbitrary objects (``weights_only``): a tampered file is
+    refused, never executed. An unreadable one is a clear error, not a traceback. ``mmap`` maps the
+    tensors instead of reading them (a check of a multi-GB checkpoint then costs little)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"checkpoint {path} cannot be loaded safely ({first[:160]}); "
+                         "delete it to restart this run from the beginning") from None
+    if not isinstance(state, dict) or not isinstance(state.get("state_dict"), dict) or "global_step" not in state:
+        raise UsageError(f"checkpoint {path} is not a checkpoint of an mhar-ablate run; "
+                         "delete it to restart this run from the beginning")
+    return state
+
+
+def identity(cfg: RunConfig) -> dict[str, Any]:
+    """What makes two runs the same run: every setting except those in ``NOT_IDENTITY``."""
+    return {k: v for k, v in cfg.flat().items() if k not in NOT_IDENTITY}
+
+
+def identity_differences(recorded: dict[str, Any], cfg: RunConfig, ignore: tuple[str, ...] = ()) -> list[str]:
+    """``key: recorded -> this run's`` for each setting both know that differs (a key one of them lacks
+    comes from another package version and is not compared)."""
+    mine = identity(cfg)
+    return [f"{k}={recorded[k]} (this run: {mine[k]})" for k in recorded
+            if k in mine and k not in ignore and recorded[k] != mine[k]]
+
+
+def record_of(state: dict[str, Any]) -> dict[str, Any]:
+    record = state.get(RECORD)
+    return record if isinstance(record, dict) else {}
+
+
+def check_fits(state: dict[str, Any], cfg: RunConfig, vocab: int, path: Path, ignore: tuple[str, ...] = ()) -> None:
+    """Refuse a checkpoint that was written by another run (another arm, seed or budget) or whose
+    weights do not fit this run's model, before Lightning tries to load it."""
+    record = record_of(state)
+    if isinstance(record.get("identity"), dict):
+        diffs = identity_differences(record["identity"], cfg, ignore)
+        if diffs:
+            who = f" (arm {record['arm']!r}, seed {record.get('seed')})" if record.get("arm") else ""
+            raise UsageError(f"checkpoint {path} was written by another run{who}: {', '.join(diffs[:4])}"
+                             f"{' ...' if len(diffs) > 4 else ''}; delete it to restart this run from the beginning")
+    from ..model import Decoder
+
+    with torch.device("meta"):
+        expected = {f"model.{k}": tuple(v.shape) for k, v in Decoder(cfg.model, cfg.residual, vocab).state_dict().items()}
+    found = {k: tuple(v.shape) for k, v in state["state_dict"].items() if k.startswith("model.") and hasattr(v, "shape")}
+    problems = [f"missing {k}" for k in expected if k not in found]
+    problems += [f"unexpected {k}" for k in found if k not in expected]
+    problems += [f"{k} has shape {list(found[k])}, this model {list(expected[k])}" for k in expected
+                 if k in found and found[k] != expected[k]]
+    if problems:
+        raise UsageError(f"checkpoint {path} does not fit this run's model ({'; '.join(problems[:3])}"
+                         f"{' ...' if len(problems) > 3 else ''}): it belongs to another configuration; "
+                         "delete it to restart this run from the beginning")
+
+
+def resume_point(state: dict[str, Any]) -> tuple[int, float]:
+    """(optimiser steps, training seconds) a checkpoint continues from."""
+    return int(state["global_step"]), float(state.get("training_clock", 0.0))
+
+
+def checkpoint_bytes(params: int) -> int:
+    """About what one checkpoint of a model with ``params`` parameters takes on disk: fp32 weights and
+    AdamW's two fp32 moments (12 bytes a parameter), plus a little for everything else."""
+    return 12 * params + (1 << 20)
