@@ -80,3 +80,21 @@ def fail_running_trials(output: Path, key: str = "pair-steps") -> None:
     study = optuna.load_study(study_name=key, storage=f"sqlite:///{output / 'studies.db'}")
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         study.tell(t.number, state=TrialState.FAIL)
+
+
+class SimulatedKill(BaseException):
+    """The process dies here (a BaseException, so no handler of the package can record anything)."""
+
+
+def kill_before_record(monkeypatch, arm: str) -> None:
+    """The trial of ``arm`` dies after training, before its result reaches the study database."""
+    from mhar_ablate import study as study_mod
+
+    real_record = study_mod._record
+
+    def kill(trial, result):
+        if trial.params["arm"] == arm:
+            raise SimulatedKill
+        real_record(trial, result)
+
+    monkeypatch.setattr(study_mod, "_record", kill)

@@ -15,11 +15,7 @@ import torch
 from mhar_ablate.cli import main
 from mhar_ablate.provenance import CHECKOUT, environment
 
-from reliability_helpers import FAST, REPO, fail_running_trials, write_study
-
-
-class SimulatedKill(BaseException):
-    pass
+from reliability_helpers import FAST, REPO, SimulatedKill, fail_running_trials, kill_before_record, write_study
 
 
 def test_environment_names_the_libraries_and_the_checkout():
@@ -32,18 +28,9 @@ def test_environment_names_the_libraries_and_the_checkout():
 
 
 def test_a_study_records_its_versions_and_refuses_others_unless_allowed(tmp_path, capsys, monkeypatch):
-    import mhar_ablate.study as study_mod
-
     out = tmp_path / "out"
     args = ["study", str(write_study(tmp_path, steps=2)), "--output", str(out), "--seeds", "1", *FAST]
-    real_record = study_mod._record
-
-    def kill(trial, result):  # the second trial's result never reaches the database
-        if trial.params["arm"] == "mhar-h2":
-            raise SimulatedKill
-        real_record(trial, result)
-
-    monkeypatch.setattr(study_mod, "_record", kill)
+    kill_before_record(monkeypatch, "mhar-h2")  # the second trial's result never reaches the database
     with pytest.raises(SimulatedKill):
         main(args)
     monkeypatch.undo()

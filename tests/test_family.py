@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 from mhar_ablate.cli import main
 from mhar_ablate.config import build_config, from_dict
-from mhar_ablate.errors import UsageError
 from mhar_ablate.model import Decoder, count_parameters, routing_overhead
 from mhar_ablate.model.residual import RESIDUALS
 from mhar_ablate.model.residual.mhc import sinkhorn

@@ -9,7 +9,8 @@ import subprocess
 
 import pytest
 
-from reliability_helpers import FAST, REPO, cli, env, fail_running_trials, final_losses, run_and_signal, write_study
+from reliability_helpers import (FAST, REPO, SimulatedKill, cli, env, fail_running_trials, final_losses, kill_before_record,
+                                 run_and_signal, write_study)
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +55,6 @@ def test_killed_study_resumes_to_the_same_results(tmp_path, sig, uninterrupted):
 
 
 # --------------------------------------------------------------------------- a kill after the last checkpoint
-
-class SimulatedKill(BaseException):
-    """The process dies here (a BaseException, so no handler of the package can record anything)."""
-
 
 def _train(out, *extra):
     from mhar_ablate.cli import main
@@ -113,7 +110,6 @@ def test_run_killed_between_its_last_checkpoint_and_its_result_completes_on_resu
 @pytest.mark.parametrize("window", ["before result.json", "before the database records it"])
 def test_study_killed_after_a_trials_last_checkpoint_finishes_on_rerun(tmp_path, capsys, monkeypatch, window):
     """Every rerun used to call that trial interrupted, exit 130 and rewrite a completed result.json."""
-    import mhar_ablate.study as study_mod
     import mhar_ablate.training.run as run_mod
     from mhar_ablate.cli import main
 
@@ -128,14 +124,7 @@ def test_study_killed_after_a_trials_last_checkpoint_finishes_on_rerun(tmp_path,
 
         monkeypatch.setattr(run_mod, "write_json", kill)
     else:
-        real_record = study_mod._record
-
-        def kill(trial, result):
-            if trial.params["arm"] == "mhar-h2":
-                raise SimulatedKill
-            real_record(trial, result)
-
-        monkeypatch.setattr(study_mod, "_record", kill)
+        kill_before_record(monkeypatch, "mhar-h2")
     with pytest.raises(SimulatedKill):
         main(args)
     monkeypatch.undo()
