@@ -132,9 +132,10 @@ def train_cmd(out: Path, preset: str, over: list[str], extra: list[str]) -> list
     return [sys.executable, "-m", "mhar_ablate", "train", "--preset", preset, "--output", str(out), *over, *extra]
 
 
-def read_result(out: Path) -> dict | None:
-    found = sorted(glob.glob(str(out / "runs" / "*" / "result.json")))
-    return json.loads(Path(found[-1]).read_text()) if found else None
+def read_result(out: Path, since: float = 0.0) -> dict | None:
+    """The newest run's result under ``out`` written after ``since`` (a time.time())."""
+    found = [p for p in glob.glob(str(out / "runs" / "*" / "result.json")) if os.path.getmtime(p) >= since]
+    return json.loads(Path(max(found, key=os.path.getmtime)).read_text()) if found else None
 
 
 def stage_curves(rows: list[dict], args, work: Path, logs: Path) -> None:
@@ -181,12 +182,13 @@ def stage_speed(rows: list[dict], args, work: Path, logs: Path) -> None:
             graph_row = next((r for r in bench if r["variant"] == f"{name}-{mode}-graph"), {})
             plain_row = next((r for r in bench if r["variant"] == f"{name}-{mode}"), {})
             seq = graph_row.get("seq") or seq
-            out = work / f"speed-{preset}-{name}-{mode}"
+            out = work / "speed"  # one output for every run: its data cache is built once
             extra = ["--budget", "steps", "--steps", str(TRAIN_STEPS.get(preset, 60)), f"train.batch_size={BATCH}",
                      f"model.vocab_size={PAPER_VOCAB}", f"train.compile={'true' if args.compile else 'false'}",
                      "train.eval_every=2", "train.eval_batches=1"]
+            since = time.time()
             rc = log_run(train_cmd(out, preset, over, extra), logs / f"train-{preset}.log")
-            r = read_result(out) or {}
+            r = read_result(out, since) or {}
             bt, tt = graph_row.get("tokens_per_s"), r.get("tokens_per_s")
             rows.append({"stage": "speed", "preset": preset, "variant": name, "mode": mode,
                          "bench_graph_tokens_per_s": bt, "bench_launch_tokens_per_s": plain_row.get("tokens_per_s"),
