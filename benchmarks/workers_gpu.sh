@@ -8,7 +8,7 @@
 set -uo pipefail
 OUT=${OUT:-workers-gpu}
 rm -rf "$OUT/o"; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
+if ! python3 -c "import optuna, datasets" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 else
