@@ -25,12 +25,13 @@ study=${STUDY:-1}
 limit=${LIMIT:-570}
 left() { echo $(( limit - SECONDS - ${1:-0} )); }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
-V=baseline-compiled,mhar-full-fused-compiled,mhar-block4-fused-compiled
+SV=${SPEED_VARIANTS:-baseline,mhar-full-fused,mhar-block4-fused}  # gpu_step_check.py's names
+V=$(echo "$SV" | sed 's/\([^,]*\)/\1-compiled/g')
 F=baseline-compiled,hc-compiled,hc-static-compiled,mhc-compiled,denseformer-compiled,muddformer-compiled,delta-full-fused-compiled
 warm=()
 for p in ${presets//,/ }; do warm+=(--bench "$p:$V"); done
 [ "$study" = 1 ] && warm+=(--study budget --preset paper350m)
-for p in ${family//,/ }; do warm+=(--bench "$p:${F#baseline-compiled,}"); done
+for p in ${family//,/ }; do warm+=(--bench "$p:$F"); done
 bg=
 if [ "${WORKERS_CHECK:-0}" = 1 ]; then
   OUT=$work/workers bash benchmarks/workers_gpu.sh > "$OUT/workers.log" 2>&1 & bg=$!
@@ -43,11 +44,11 @@ if [ -n "$bg" ]; then wait "$bg"; echo "workers check: exit $?"; grep -E "^(PASS
 echo "[warm done at ${SECONDS}s]"
 if [ -n "$presets" ]; then
   STEP_CHECK_WORK=$work/step-check timeout --signal=INT "$(left 20)" \
-    python3 benchmarks/gpu_step_check.py --out "$OUT" --stages speed --compile --presets "$presets"
+    python3 benchmarks/gpu_step_check.py --out "$OUT" --stages speed --compile --presets "$presets" --variants "$SV"
 fi
 if [ -n "$eager" ]; then
   STEP_CHECK_WORK=$work/step-check timeout --signal=INT "$(left 20)" \
-    python3 benchmarks/gpu_step_check.py --out "$OUT" --stages speed --presets "$eager"
+    python3 benchmarks/gpu_step_check.py --out "$OUT" --stages speed --presets "$eager" --variants "${EAGER_VARIANTS:-$SV}"
 fi
 echo "[speed done at ${SECONDS}s]"
 if [ "$study" = 1 ] && [ "$(left)" -gt 90 ]; then

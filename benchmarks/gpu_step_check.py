@@ -173,19 +173,20 @@ def stage_speed(rows: list[dict], args, work: Path, logs: Path) -> None:
         seq = None
         mode = "compiled" if args.compile else "eager"
         bench_json = work / f"bench-{preset}-{mode}.json"
-        names = ",".join(f"{v}-{mode}" for v in VARIANTS)
+        chosen = {k: v for k, v in VARIANTS.items() if k in args.variants.split(",")}
+        names = ",".join(f"{v}-{mode}" for v in chosen)
         log_run([sys.executable, "-m", "mhar_ablate", "bench", "model", "--preset", preset, "--variants", names,
                  "--cuda-graph", "--no-split", "--steps", "10", "--warmup", "3", "--json", str(bench_json)],
                 logs / f"bench-{preset}.log")
         bench = json.loads(bench_json.read_text()) if bench_json.exists() else []
-        for name, over in VARIANTS.items():
+        for name, over in chosen.items():
             graph_row = next((r for r in bench if r["variant"] == f"{name}-{mode}-graph"), {})
             plain_row = next((r for r in bench if r["variant"] == f"{name}-{mode}"), {})
             seq = graph_row.get("seq") or seq
             out = work / "speed"  # one output for every run: its data cache is built once
             extra = ["--budget", "steps", "--steps", str(TRAIN_STEPS.get(preset, 60)), f"train.batch_size={BATCH}",
                      f"model.vocab_size={PAPER_VOCAB}", f"train.compile={'true' if args.compile else 'false'}",
-                     "train.eval_every=2", "train.eval_batches=1"]
+                     "train.eval_every=1", "train.eval_batches=1"]  # one eval (and checkpoint) at the end
             since = time.time()
             rc = log_run(train_cmd(out, preset, over, extra), logs / f"train-{preset}.log")
             r = read_result(out, since) or {}
@@ -233,6 +234,7 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "gpu-step-check"))
     p.add_argument("--stages", default="syncs,curves,speed")
     p.add_argument("--presets", default="small")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="speed stage: which of " + ", ".join(VARIANTS))
     p.add_argument("--compile", action="store_true", help="speed stage: compiled model (bench and train)")
     p.add_argument("--curve-tol", type=float, default=2e-3,
                    help="relative val-loss difference always accepted, whatever the measured noise")
