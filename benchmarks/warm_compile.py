@@ -73,20 +73,36 @@ def main() -> int:
     logs = Path(args.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
 
+    running: set[subprocess.Popen] = set()
+    stopping = False
+
     def run(i_job):
         i, job = i_job
         t0 = time.perf_counter()
+        if stopping:
+            return i, None, 0.0
         with open(logs / "warm.log", "a") as f:
-            rc = subprocess.call(job, stdout=f, stderr=subprocess.STDOUT, env=env)
+            proc = subprocess.Popen(job, stdout=f, stderr=subprocess.STDOUT, env=env)
+            running.add(proc)
+            rc = proc.wait()
+            running.discard(proc)
         return i, rc, time.perf_counter() - t0
 
     t0 = time.perf_counter()
     bad = 0
-    with ThreadPoolExecutor(args.jobs) as pool:
+    pool = ThreadPoolExecutor(args.jobs)
+    try:
         for i, rc, s in pool.map(run, enumerate(jobs)):
-            what = " ".join(jobs[i][3:9])
-            print(f"warm {s:6.1f} s  rc {rc}  {what}", flush=True)
+            print(f"warm {s:6.1f} s  rc {rc}  {' '.join(jobs[i][3:9])}", flush=True)
             bad += rc != 0
+    except KeyboardInterrupt:  # the caller's time is up: the timed runs compile what is missing themselves
+        stopping = True
+        for proc in list(running):
+            proc.kill()
+        print(f"warm: stopped after {time.perf_counter() - t0:.0f} s", flush=True)
+        pool.shutdown(wait=True, cancel_futures=True)
+        return 1
+    pool.shutdown()
     print(f"warm: {len(jobs)} jobs in {time.perf_counter() - t0:.0f} s, {bad} failed", flush=True)
     return 1 if bad else 0
 
