@@ -238,7 +238,8 @@ def main() -> int:
         return 2
     routed = [v.strip() for v in args.variants.split(",") if v.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [v for v in routed if v not in VARIANTS or v == "baseline"] + [m for m in modes if m not in ("eager", "compiled")]
+    bad = [v for v in routed if v not in VARIANTS or v == "baseline"]
+    bad += [m for m in modes if m not in ("eager", "compiled")]
     if bad:
         print(f"memory_excess.py: unknown variant or mode {', '.join(bad)}", file=sys.stderr)
         return 2
