@@ -260,6 +260,11 @@ def main() -> int:
                 except torch.OutOfMemoryError:
                     print(f"  {label}: out of memory", flush=True)
                     continue
+                except Exception as e:  # one line says what broke; the other variants still run
+                    torch.cuda.memory._record_memory_history(enabled=None)
+                    first = (str(e).strip().splitlines() or [""])[0][:200]
+                    print(f"  {label}: failed: {type(e).__name__}: {first}", flush=True)
+                    continue
                 results[label] = measured[name]
                 r = measured[name]
                 print(f"  {label}: peak {r['peak'] / GB:.2f} GB (max_memory_allocated "
