@@ -365,7 +365,7 @@ def _attempt(row: dict, measure, *args):
     return None
 
 
-class _Training:
+class Training:
     """What a variant's rows share: the model, and the training step that ``train`` runs on it
     (``training.step.TrainStep``: bf16 autocast, clipping, fused AdamW with routing parameters undecayed),
     fed a few random batches. Built once per variant: compiling the paper's shapes takes a minute."""
@@ -402,12 +402,12 @@ class _Training:
 
 
 def _measure(v: Variant, args: argparse.Namespace, batch: int, seq: int, vocab: int, device: torch.device,
-             row: dict) -> _Training:
+             row: dict) -> Training:
     """The ordinary row: warm-up (compilation included), timed steps, the profiled step that splits the
     time; returns the training for the graph row."""
     import torch
 
-    t = _Training(v, args, batch, seq, vocab, device)
+    t = Training(v, args, batch, seq, vocab, device)
     if v.path == "fused":
         row["sites_per_pass"] = t.model.residual.sites_per_pass
     t0 = time.perf_counter()
@@ -431,7 +431,7 @@ def _measure(v: Variant, args: argparse.Namespace, batch: int, seq: int, vocab: 
     return t
 
 
-def _measure_graph(t: _Training, args: argparse.Namespace, tokens: int, ordinary: dict, row: dict) -> None:
+def _measure_graph(t: Training, args: argparse.Namespace, tokens: int, ordinary: dict, row: dict) -> None:
     """The graph row: the same step captured once (``TrainStep.prepare``), then replayed (untimed, then
     timed) after copying each batch into the captured inputs."""
     import torch

@@ -1,4 +1,4 @@
-"""The fused path's kernels against the plain PyTorch reference, through Triton's interpreter in fp32:
+"""The fused path's kernels against the float64 oracle, through Triton's interpreter in fp32:
 the head-tiled shared forward pass (``kernels/history.py``: outputs and log-sum-exps of G sites over one
 history) and the backward by source (``kernels/column.py``: each slot's gradient and the query
 gradients, from the sites that read it), over awkward shapes (head widths split 8 + 4, token counts that
@@ -11,16 +11,17 @@ import pytest
 import torch
 
 from mhar_ablate.kernels import column, history
-from mhar_ablate.kernels.reference import mhar_route_reference, routing_logits
+from mhar_ablate.kernels.reference import mhar_route_float64, routing_logsumexp_float64
 
 EPS = 1e-6
 
 
 def _route(src, qg_k, H):
+    """The oracle's output (N, d) and log-sum-exps (H, N) of one site with fused query row ``qg_k``."""
     S, N, d = src.shape
-    ones = torch.ones(d, dtype=src.dtype)
-    out = mhar_route_reference(src.view(S, 1, N, d), qg_k, ones, H, EPS).view(N, d)
-    lse = routing_logits(src.view(S, 1, N, d), qg_k, ones, H, EPS).logsumexp(0).view(N, H).t()
+    ones = torch.ones(d, dtype=torch.float64)
+    out = mhar_route_float64(src.view(S, 1, N, d), qg_k, ones, H, EPS).view(N, d)
+    lse = routing_logsumexp_float64(src.view(S, 1, N, d), qg_k, ones, H, EPS).view(N, H).t()
     return out, lse
 
 

@@ -1,9 +1,8 @@
 """Tests of the fused Triton routing kernel (``mhar_ablate/kernels/mhar_triton.py``) on the CPU.
 
-CPU tensors run the kernels through Triton's interpreter, in fp32, against a float64 oracle of the
-reference's formula. The oracle is itself checked against ``mhar_route_reference`` so the two cannot
-drift apart. The GPU side (bf16/fp16, large shapes) is checked by ``benchmarks/bench_route.py`` before it
-times anything.
+CPU tensors run the kernels through Triton's interpreter, in fp32, against the float64 oracle
+(``kernels/reference.py``), which is itself checked once against SPEC.md's formula written out plainly.
+The GPU side (bf16/fp16, large shapes, inductor) is ``tests/test_kernels_gpu.py``.
 """
 
 from __future__ import annotations
@@ -18,21 +17,10 @@ import pytest
 import torch
 
 from mhar_ablate.kernels import mhar_triton
-from mhar_ablate.kernels.reference import mhar_route_reference
+from mhar_ablate.kernels.reference import mhar_route_float64, mhar_route_reference
 from mhar_ablate.ops import mhar_route
 
 EPS = 1e-6
-
-
-def oracle(sources, query, key_weight, num_heads, eps=EPS):
-    """The reference's formula in float64 (the reference itself computes in fp32)."""
-    S, B, T, d = sources.shape
-    x = sources.double()
-    r = torch.rsqrt(x.pow(2).mean(-1) + eps)
-    qg = (query.double() * key_weight.double()).view(num_heads, d // num_heads)
-    v = x.view(S, B, T, num_heads, d // num_heads)
-    a = ((v * qg).sum(-1) * r.unsqueeze(-1)).softmax(0)
-    return (a.unsqueeze(-1) * v).sum(0).reshape(B, T, d)
 
 
 def make_inputs(S, B, T, d, seed, dtype=torch.float32):
@@ -81,7 +69,7 @@ def test_forward_and_gradients_match_float64(S, B, T, d, H):
     sources, query, key_weight, grad_out = make_inputs(S, B, T, d, seed=S * 1000 + d + H)
     out, grads = run_with_grads(lambda s, q, g: mhar_route(s, q, g, H, backend="triton"),
                                 sources, query, key_weight, grad_out)
-    out64, grads64 = run_with_grads(lambda s, q, g: oracle(s, q, g, H),
+    out64, grads64 = run_with_grads(lambda s, q, g: mhar_route_float64(s, q, g, H),
                                     sources.double(), query.double(), key_weight.double(), grad_out.double())
     assert out.dtype == torch.float32
     assert_close(out, out64, 1e-5, "output")
@@ -90,11 +78,20 @@ def test_forward_and_gradients_match_float64(S, B, T, d, H):
         assert_close(g, g64, 1e-5, f"grad {name}")
 
 
-def test_oracle_is_the_reference():
-    # The float64 oracle above must compute what the package's reference computes.
-    sources, query, key_weight, _ = make_inputs(5, 2, 3, 48, seed=1)
-    torch.testing.assert_close(oracle(sources, query, key_weight, 4).float(),
-                               mhar_route_reference(sources, query, key_weight, 4), rtol=1e-5, atol=1e-5)
+def test_oracle_is_the_spec_formula():
+    """The oracle (the reference's block-diagonal matmul, in float64) against SPEC.md's formula written out
+    per head, and the fp32 reference against the oracle."""
+    S, B, T, d, H = 5, 2, 3, 48, 4
+    sources, query, key_weight, _ = make_inputs(S, B, T, d, seed=1)
+    x = sources.double()
+    r = torch.rsqrt(x.pow(2).mean(-1) + EPS)
+    v = x.view(S, B, T, H, d // H)
+    a = ((v * (query.double() * key_weight.double()).view(H, d // H)).sum(-1) * r.unsqueeze(-1)).softmax(0)
+    spec = (a.unsqueeze(-1) * v).sum(0).reshape(B, T, d)
+    oracle = mhar_route_float64(sources, query, key_weight, H)
+    assert oracle.dtype == torch.float64
+    torch.testing.assert_close(oracle, spec, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(mhar_route_reference(sources, query, key_weight, H), spec.float(), rtol=1e-5, atol=1e-5)
 
 
 def test_reference_and_kernel_agree_in_fp32():
@@ -113,7 +110,7 @@ def test_query_and_key_gradients_keep_their_dtype():
     out, (gs, gq, gk) = run_with_grads(lambda s, q, g: mhar_route(s, q, g, 4, backend="triton"),
                                        sources, query.double(), key_weight.to(torch.bfloat16), grad_out)
     assert (out.dtype, gs.dtype, gq.dtype, gk.dtype) == (torch.float32, torch.float32, torch.float64, torch.bfloat16)
-    _, grads64 = run_with_grads(lambda s, q, g: oracle(s, q, g, 4), sources.double(), query.double(),
+    _, grads64 = run_with_grads(lambda s, q, g: mhar_route_float64(s, q, g, 4), sources.double(), query.double(),
                                 key_weight.to(torch.bfloat16).double(), grad_out.double())
     assert_close(gq, grads64[1], 1e-5, "grad query")
     assert_close(gk.double(), grads64[2], 1e-2, "grad key_weight (bf16)")
@@ -186,13 +183,13 @@ def test_backward_is_the_triton_kernel(monkeypatch):
         monkeypatch.setattr(reference, name, refuse)
     monkeypatch.setattr(ops, "mhar_route_reference", refuse)
     launched = []
-    real_launch = mhar_triton._launch
+    real_launch = mhar_triton.launch
 
     def spy(kernel, *args, **kwargs):
         launched.append(kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__)
         return real_launch(kernel, *args, **kwargs)
 
-    monkeypatch.setattr(mhar_triton, "_launch", spy)
+    monkeypatch.setattr(mhar_triton, "launch", spy)
 
     sources, query, key_weight, grad_out = make_inputs(3, 1, 5, 32, seed=8)
     leaves = [t.requires_grad_() for t in (sources, query, key_weight)]
@@ -237,6 +234,7 @@ def test_runs_under_triton_interpret_env():
     script = textwrap.dedent("""
         import torch
         from mhar_ablate.kernels import mhar_triton
+        from mhar_ablate.kernels.reference import mhar_route_float64
         from triton.runtime.interpreter import InterpretedFunction
         assert isinstance(mhar_triton._mhar_fwd_kernel, InterpretedFunction)
         torch.manual_seed(0)
@@ -246,11 +244,7 @@ def test_runs_under_triton_interpret_env():
         out = mhar_triton.mhar_route_triton(*leaves, 4)
         out.backward(go)
         ref = [t.clone().requires_grad_() for t in (s, q, g)]
-        x = ref[0]
-        r = torch.rsqrt(x.pow(2).mean(-1) + 1e-6)
-        v = x.view(3, 1, 5, 4, 12)
-        a = ((v * (ref[1] * ref[2]).view(4, 12)).sum(-1) * r[..., None]).softmax(0)
-        o = (a[..., None] * v).sum(0).reshape(1, 5, 48)
+        o = mhar_route_float64(*ref, 4)
         o.backward(go.double())
         errs = [float((t.detach().double() - u).norm() / u.norm()) for t, u in zip([out] + [l.grad for l in leaves], [o] + [t.grad for t in ref])]
         print(max(errs))

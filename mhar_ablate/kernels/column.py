@@ -29,8 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .history import _meta
-from .mhar_triton import _launch
+from .launch import head_meta, launch
 
 __all__ = ["column_backward"]
 
@@ -178,12 +177,11 @@ def column_backward(x: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta
     dx = torch.empty_like(x)
     if N == 0 or S == 0:
         return dx.zero_(), torch.zeros((S, d), dtype=torch.float32, device=x.device)
-    meta = _meta(d, num_heads)
     dzr = torch.empty((num_heads, S, N), dtype=torch.float32, device=x.device)
     block_n, warps = COLUMN_CONFIG if x.device.type != "cpu" else (2, None)
-    launch = {**meta, "BLOCK_N": block_n, **({"num_warps": warps} if warps else {})}
-    _launch(_column_bwd_kernel, (triton.cdiv(N, block_n),), (x, rms, grad_out, lse, delta, qg, dx, dzr, N, S),
-            launch, x.device)
+    meta = {**head_meta(d, num_heads, has_b=True), "BLOCK_N": block_n, **({"num_warps": warps} if warps else {})}
+    launch(_column_bwd_kernel, (triton.cdiv(N, block_n),), (x, rms, grad_out, lse, delta, qg, dx, dzr, N, S),
+           meta, x.device)
 
     block_c = _channel_block(d // num_heads)
     use_dot = block_c >= 16
@@ -197,5 +195,5 @@ def column_backward(x: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta
     meta = {"D": d, "DH": d // num_heads, "BLOCK_S": block_s, "BLOCK_K": block_k, "BLOCK_C": block_c,
             "USE_DOT": use_dot, "SPLIT_BF16": x.dtype == torch.bfloat16}
     grid = (d // block_c, chunks, triton.cdiv(S, block_s))
-    _launch(_dqg_kernel, grid, (dzr, x, part, N, S, tokens_per_chunk), meta, x.device)
+    launch(_dqg_kernel, grid, (dzr, x, part, N, S, tokens_per_chunk), meta, x.device)
     return dx, part.sum(0)

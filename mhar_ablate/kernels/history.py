@@ -31,7 +31,7 @@ Math (per site k, r = rsqrt(mean_c s_c^2 + eps), u_k = <s_h, qg_k,h>, z = r u):
 Log-sum-exps and deltas are laid out (sites, N, H): a token's heads in one 32-byte sector, read once per
 (token, site) by the backward.
 Heads whose width is not a power of two are split into a power-of-two part (DA) and a rest (DB, padded
-to BLOCK_DB), as in ``mhar_triton``; on CPU tensors the kernels run through Triton's interpreter.
+to BLOCK_DB; ``launch.head_meta``); on CPU tensors the kernels run through Triton's interpreter.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .mhar_triton import _head_meta, _launch, _num_sms, _resident_programs
+from .launch import head_meta, launch, persistent_programs, tile_width
 
 __all__ = ["write_slot", "sites_forward", "sites_backward", "history_forward"]
 
@@ -388,11 +388,6 @@ def _history_fwd_kernel(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _meta(d: int, num_heads: int) -> dict:
-    meta = _head_meta(d, num_heads)
-    return {**meta, "HAS_B": meta["DB"] > 0}
-
-
 def _block_g(groups: int) -> int:
     return triton.next_power_of_2(max(groups, 1))
 
@@ -400,16 +395,15 @@ def _block_g(groups: int) -> int:
 def _num_warps(d: int, num_heads: int, block_g: int) -> int:
     """Warps per program of the row kernels (G = 1 in practice): about 8 elements of a [1, H, head] tile
     per thread, 4 warps at d = 1024 (the per-site kernel's measured best on the H200)."""
-    meta = _head_meta(d, num_heads)
-    width = block_g * num_heads * (meta["DA"] + (meta["BLOCK_DB"] if meta["DB"] else 0))
+    width = block_g * tile_width(d, num_heads)
     warps = max(1, width // (32 * 8))
     return min(32, 1 << (warps.bit_length() - 1))
 
 
 # Launch configuration of the head-tiled kernels by the number of sites G (padded): tokens per program,
-# warps, sources in flight ahead of the one being reduced (1 to 3). A
-# benchmark may replace entries to sweep them. On the interpreter: two-token tiles, so that tests cover
-# the token mask, and two sources ahead.
+# warps, sources in flight ahead of the one being reduced (1 to 3). A benchmark may replace entries to
+# sweep them. On the interpreter: two-token tiles, so that tests cover the token mask, and two sources
+# ahead.
 # Measured on the H200 at paper350m (benchmarks/bench_stack.py): one warp per program and two sources in
 # flight ran fastest at G = 4 and 8 (more warps or a third source ahead were slower).
 HISTORY_CONFIG: dict[str, dict[int, tuple[int, int, int]]] = {
@@ -418,7 +412,7 @@ HISTORY_CONFIG: dict[str, dict[int, tuple[int, int, int]]] = {
 _INTERPRETER_CONFIG = (2, 1, 2)
 
 
-def _history_launch(kind: str, block_g: int, device: torch.device) -> tuple[int, dict]:
+def _history_config(kind: str, block_g: int, device: torch.device) -> tuple[int, dict]:
     if device.type == "cpu":
         block_n, _, prefetch = _INTERPRETER_CONFIG
         return block_n, {"PREFETCH": prefetch}
@@ -431,8 +425,8 @@ def write_slot(source: Tensor, slot: Tensor, rms: Tensor, eps: float) -> None:
     write the RMS statistic ``rsqrt(mean(x^2) + eps)`` of each stored row to ``rms`` (N,) fp32."""
     N, d = slot.shape
     if N:
-        _launch(_write_slot_kernel, (N,), (source, slot, rms, eps),
-                {"D": d, "BLOCK_D": triton.next_power_of_2(d)}, slot.device)
+        launch(_write_slot_kernel, (N,), (source, slot, rms, eps),
+               {"D": d, "BLOCK_D": triton.next_power_of_2(d)}, slot.device)
 
 
 def sites_forward(sources: Tensor, qg: Tensor, num_heads: int, eps: float, out: Tensor, rest: Tensor | None,
@@ -446,12 +440,13 @@ def sites_forward(sources: Tensor, qg: Tensor, num_heads: int, eps: float, out: 
     G = qg.shape[0]
     if N == 0:
         return
-    meta = {**_meta(d, num_heads), "BLOCK_G": _block_g(G), "HAS_INIT": init is not None, "USE_RMS": rms is not None}
+    meta = {**head_meta(d, num_heads, has_b=True), "BLOCK_G": _block_g(G), "HAS_INIT": init is not None,
+            "USE_RMS": rms is not None}
     if sources.device.type != "cpu":
         meta["num_warps"] = _num_warps(d, num_heads, meta["BLOCK_G"])
     args = (sources, rms if rms is not None else qg, qg, init if init is not None else out, out,
             rest if rest is not None else out, lse, N, S, G, N * d, eps)
-    _launch(_sites_fwd_kernel, (N,), args, meta, sources.device)
+    launch(_sites_fwd_kernel, (N,), args, meta, sources.device)
 
 
 def history_forward(sources: Tensor, rms: Tensor, qg: Tensor, num_heads: int, out: Tensor, rest: Tensor,
@@ -462,19 +457,10 @@ def history_forward(sources: Tensor, rms: Tensor, qg: Tensor, num_heads: int, ou
     if N == 0:
         return
     block_g = _block_g(G)
-    block_n, launch = _history_launch("fwd", block_g, sources.device)
-    meta = {**_meta(d, num_heads), "BLOCK_G": block_g, "BLOCK_N": block_n, **launch}
-    _launch(_history_fwd_kernel, (triton.cdiv(N, block_n), num_heads),
-            (sources, rms, qg, out, rest, lse, N, S, G, N * d), meta, sources.device)
-
-
-def _persistent_programs(kernel, args, meta: dict, device: torch.device, work: int) -> int:
-    """Programs of a persistent kernel: as many as fit on the GPU at once, at most one per piece of work;
-    on the interpreter a few, so that tests walk the persistent loop and its idle tail."""
-    if device.type == "cpu":
-        return min(work, 3)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return max(1, min(work, _resident_programs(kernel, args, meta, device) * _num_sms(index)))
+    block_n, options = _history_config("fwd", block_g, sources.device)
+    meta = {**head_meta(d, num_heads, has_b=True), "BLOCK_G": block_g, "BLOCK_N": block_n, **options}
+    launch(_history_fwd_kernel, (triton.cdiv(N, block_n), num_heads),
+           (sources, rms, qg, out, rest, lse, N, S, G, N * d), meta, sources.device)
 
 
 def sites_backward(sources: Tensor, grad_sources: Tensor, accumulate: bool, qg: Tensor, num_heads: int,
@@ -494,15 +480,15 @@ def sites_backward(sources: Tensor, grad_sources: Tensor, accumulate: bool, qg: 
     block_g = _block_g(G)
     if N == 0:
         return None if S == 0 else torch.zeros((1, block_g, d), dtype=torch.float32, device=sources.device)
-    meta = {**_meta(d, num_heads), "BLOCK_G": block_g, "ACCUMULATE": accumulate,
+    meta = {**head_meta(d, num_heads, has_b=True), "BLOCK_G": block_g, "ACCUMULATE": accumulate,
             "COMPUTE_DELTA": out is not None, "COPY_GRAD": grad_copy is not None, "WRITE_DQG": S > 0}
     if sources.device.type != "cpu":
         meta["num_warps"] = _num_warps(d, num_heads, block_g)
     args = [sources, grad_sources, qg, grad_out, lse, delta, out if out is not None else grad_out,
             grad_copy if grad_copy is not None else grad_out,
             torch.empty((1, block_g, d), dtype=torch.float32, device=sources.device), N, S, G, N * d, eps, 1]
-    programs = _persistent_programs(_sites_bwd_kernel, args, meta, sources.device, N)
+    programs = persistent_programs(_sites_bwd_kernel, args, meta, sources.device, N)
     partials = torch.empty((programs if S else 1, block_g, d), dtype=torch.float32, device=sources.device)
     args[8], args[-1] = partials, triton.cdiv(N, programs)
-    _launch(_sites_bwd_kernel, (programs,), tuple(args), meta, sources.device)
+    launch(_sites_bwd_kernel, (programs,), tuple(args), meta, sources.device)
     return partials if S else None

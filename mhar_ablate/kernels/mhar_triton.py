@@ -24,23 +24,23 @@ fake implementations and an autograd formula (``register_autograd`` builds the a
 
 On CPU tensors the same kernels run through Triton's interpreter (use fp32 there: its bf16 arithmetic is
 not faithful), whether or not ``TRITON_INTERPRET=1`` was set before triton was imported; see
-``_interpreted``.
+``launch.launch``.
 
 Precision: fp32 accumulation throughout. With bf16/fp16 sources the backward's ``delta`` uses the output as
 stored (rounded to the sources' dtype), as flash-attention does; that is the one error the reference does
-not have, and it shows in the query/key-gain gradients: relative error up to 7e-3 in bf16 (H200 check in
-``benchmarks/bench_route.py``) against ~3e-7 for the fp32-upcasting reference.
+not have, and it shows in the query/key-gain gradients: relative error up to 7e-3 in bf16 on the H200,
+against ~3e-7 for the fp32-upcasting reference (``tests/test_kernels_gpu.py`` holds each dtype to its
+tolerance).
 """
 
 from __future__ import annotations
-
-import contextlib
-import functools
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from .launch import head_meta, launch, persistent_programs, tile_width
 
 __all__ = ["mhar_route_triton", "route_fwd", "route_bwd", "forward_config", "backward_config"]
 
@@ -49,11 +49,9 @@ __all__ = ["mhar_route_triton", "route_fwd", "route_bwd", "forward_config", "bac
 # Kernels
 #
 # A token tile is held per head: channel ``h * DH + j`` of token ``n`` sits at [n, h, j], so the per-head dot
-# products are reductions over the last axis. Block shapes must be powers of two, and padding a head width
-# such as 160 (d = 1280, H = 8) up to 256 wastes 37.5 % of the registers and lanes. So each head is split
-# into a part of DA channels (the largest power of two <= DH) and a rest of DB = DH - DA channels, each its
-# own [BLOCK_N, H, .] block: 160 = 128 + 32 with no padding at all (H200, d = 1280, S = 49: forward 55 % ->
-# 65 % of copy bandwidth). When DH is a power of two the rest is an empty, fully masked block of width 1.
+# products are reductions over the last axis. Each head is two blocks, DA + DB channels (``launch.head_meta``):
+# 160 = 128 + 32 with no padding at all (H200, d = 1280, S = 49: forward 55 % -> 65 % of copy bandwidth
+# against padding to 256). When DH is a power of two the rest is an empty, fully masked block of width 1.
 #
 # Pointers advance by ``stride_s`` per source instead of being recomputed as s * stride_s, which would
 # overflow int32 past 2^31 elements (S = 73, 32k tokens, d = 1024 already does). The next source is loaded
@@ -202,92 +200,8 @@ def _mhar_bwd_kernel(
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Interpreter on CPU tensors
+# Launch configuration (launch helpers and the head split: ``launch.py``)
 # ----------------------------------------------------------------------------------------------------------
-
-_INTERPRETED: dict[int, object] = {}
-
-
-def _interpreted_fn(kernel):
-    """The interpreter version of a ``@triton.jit`` function (the function itself if triton was imported
-    with TRITON_INTERPRET=1, in which case ``triton.jit`` already returned one)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if isinstance(kernel, InterpretedFunction):
-        return kernel
-    fn = _INTERPRETED.get(id(kernel))
-    if fn is None:
-        fn = _INTERPRETED[id(kernel)] = InterpretedFunction(kernel.fn)
-    return fn
-
-
-@contextlib.contextmanager
-def _interpreted():
-    """Run Triton's interpreter on CPU tensors even when triton was imported without TRITON_INTERPRET=1.
-
-    Triton picks interpreter or compiler when a function is decorated, and ``triton.language``'s own
-    helpers (``tl.zeros``, ``tl.sum``, ...) are decorated at import. Without the variable those helpers are
-    compiled-only ``JITFunction`` objects that refuse to be called from Python; for the duration of an
-    interpreted launch, calls to them are routed through their interpreter versions instead.
-    """
-    from triton.runtime.jit import JITFunction
-
-    original = JITFunction.__call__
-
-    def call(self, *args, **kwargs):
-        return _interpreted_fn(self)(*args, **kwargs)
-
-    JITFunction.__call__ = call
-    try:
-        yield
-    finally:
-        JITFunction.__call__ = original
-
-
-def _launch(kernel, grid, args, meta, device: torch.device):
-    if device.type == "cpu":
-        with _interpreted():
-            compile_options = ("num_warps", "num_stages", "maxnreg")
-            _interpreted_fn(kernel)[grid](*args, **{k: v for k, v in meta.items() if k not in compile_options})
-    else:
-        with torch.cuda.device(device):
-            kernel[grid](*args, **meta)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Launch configuration
-# ----------------------------------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-_RESIDENT: dict[tuple, int] = {}
-
-
-def _resident_programs(kernel, args, meta: dict, device: torch.device) -> int:
-    """How many programs of the compiled ``kernel`` fit on one SM at once (registers, warps, shared memory).
-
-    The persistent backward launches exactly that many per SM: more would leave a second, partial wave of
-    programs that each still walk their whole share of tiles.
-    """
-    key = (id(kernel), device.index, args[0].dtype, tuple(sorted(meta.items())))
-    if key not in _RESIDENT:
-        with torch.cuda.device(device):
-            compiled = kernel.warmup(*args, grid=(1,), **meta)
-            compiled._init_handles()
-            props = torch.cuda.get_device_properties(device)
-        num_warps = meta.get("num_warps", 4)
-        regs_per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256  # allocated per warp, 256 at a time
-        by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * num_warps)
-        by_warps = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * num_warps)
-        smem = compiled.metadata.shared
-        smem_per_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
-        by_smem = smem_per_sm // smem if smem else by_warps
-        _RESIDENT[key] = max(1, min(by_regs, by_warps, by_smem, 32))
-    return _RESIDENT[key]
 
 
 def forward_config(d: int, num_heads: int, device: torch.device) -> dict:
@@ -299,7 +213,7 @@ def forward_config(d: int, num_heads: int, device: torch.device) -> dict:
     """
     if device.type == "cpu":
         return {"BLOCK_N": 8}  # interpreter: fewer, larger programs run faster
-    width = _tile_width(d, num_heads)
+    width = tile_width(d, num_heads)
     block_n = min(16, triton.next_power_of_2(max(1, 1024 // width)) if width < 1024 else 1)
     return {"BLOCK_N": block_n, "num_warps": 4 if block_n * width <= 2048 else 8}
 
@@ -312,27 +226,13 @@ _BWD_MAXNREG = {(1024, 1, 4): 56, (1280, 1, 4): 96}
 
 def backward_config(d: int, num_heads: int, device: torch.device) -> dict:
     """Tokens per program, warps and register cap for the persistent backward kernel (programs per SM: as
-    many as fit, see ``_resident_programs``; ``programs_per_sm`` or ``max_programs`` override it)."""
+    many as fit, see ``launch.resident_programs``; ``programs_per_sm`` or ``max_programs`` override it)."""
     if device.type == "cpu":
         # few programs, so that tests exercise the persistent loop and its empty trailing tiles
         return {"BLOCK_N": 4, "max_programs": 3}
     cfg = forward_config(d, num_heads, device)
-    maxnreg = _BWD_MAXNREG.get((_tile_width(d, num_heads), cfg["BLOCK_N"], cfg["num_warps"]))
+    maxnreg = _BWD_MAXNREG.get((tile_width(d, num_heads), cfg["BLOCK_N"], cfg["num_warps"]))
     return {**cfg, "maxnreg": maxnreg} if maxnreg else cfg
-
-
-def _head_meta(d: int, num_heads: int) -> dict:
-    """Head width DH split into DA (largest power of two <= DH) + DB, the rest in a block of BLOCK_DB."""
-    dh = d // num_heads
-    da = 1 << (dh.bit_length() - 1)
-    db = dh - da
-    return {"D": d, "H": num_heads, "DH": dh, "DA": da, "DB": db, "BLOCK_DB": triton.next_power_of_2(max(db, 1))}
-
-
-def _tile_width(d: int, num_heads: int) -> int:
-    """Channels a token occupies in the kernels' blocks (d plus the rest blocks' padding)."""
-    meta = _head_meta(d, num_heads)
-    return num_heads * (meta["DA"] + (meta["BLOCK_DB"] if meta["DB"] else 0))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -357,8 +257,8 @@ def forward(sources: Tensor, query: Tensor, key_weight: Tensor, num_heads: int, 
     cfg = dict(config or forward_config(d, num_heads, sources.device))
     block_n = cfg.pop("BLOCK_N")
     grid = (triton.cdiv(n, block_n),)
-    _launch(_mhar_fwd_kernel, grid, (src, _fused_qg(query, key_weight), out, lse, n, S, n * d, eps),
-            {**_head_meta(d, num_heads), "BLOCK_N": block_n, **cfg}, sources.device)
+    launch(_mhar_fwd_kernel, grid, (src, _fused_qg(query, key_weight), out, lse, n, S, n * d, eps),
+           {**head_meta(d, num_heads), "BLOCK_N": block_n, **cfg}, sources.device)
     return out, lse
 
 
@@ -375,20 +275,18 @@ def backward(grad_out: Tensor, sources: Tensor, query: Tensor, key_weight: Tenso
     block_n = cfg.pop("BLOCK_N")
     programs_per_sm = cfg.pop("programs_per_sm", None)
     max_programs = cfg.pop("max_programs", None)
-    meta = {**_head_meta(d, num_heads), "BLOCK_N": block_n, **cfg}
+    meta = {**head_meta(d, num_heads), "BLOCK_N": block_n, **cfg}
     num_tiles = triton.cdiv(n, block_n)
     # the partial-sum buffer and tiles per program depend on the grid: stand-ins while it is sized
     args = [src, _fused_qg(query, key_weight), out.contiguous(), grad_out.contiguous(), lse.contiguous(),
             grad_sources, torch.empty((1, d), dtype=torch.float32, device=sources.device), n, S, n * d, eps, 2]
     if max_programs is None:
-        index = sources.device.index if sources.device.index is not None else torch.cuda.current_device()
-        if programs_per_sm is None:
-            programs_per_sm = _resident_programs(_mhar_bwd_kernel, args, meta, sources.device)
-        max_programs = programs_per_sm * _num_sms(index)
-    programs = max(1, min(num_tiles, max_programs))
+        programs = persistent_programs(_mhar_bwd_kernel, args, meta, sources.device, num_tiles, programs_per_sm)
+    else:
+        programs = max(1, min(num_tiles, max_programs))
     partials = torch.empty((programs, d), dtype=torch.float32, device=sources.device)
     args[6], args[-1] = partials, triton.cdiv(num_tiles, programs)
-    _launch(_mhar_bwd_kernel, (programs,), tuple(args), meta, sources.device)
+    launch(_mhar_bwd_kernel, (programs,), tuple(args), meta, sources.device)
     grad_qg = partials.sum(0)
     grad_query = (grad_qg * key_weight.float()).to(query.dtype)
     grad_key_weight = (grad_qg * query.float()).to(key_weight.dtype)

@@ -1,5 +1,6 @@
-"""Plain PyTorch reference of the MHAR routing op (SPEC.md), the ground truth the fused kernel is tested
-against and the path used on machines without a GPU.
+"""Plain PyTorch reference of the MHAR routing op (SPEC.md): the path used on machines without a GPU, and,
+evaluated in float64 (``mhar_route_float64``, ``routing_logsumexp_float64``), the one oracle that the
+kernels' tests and the benchmarks hold every fused kernel to.
 
 For sources ``s`` of shape (S, B, T, d), query ``q`` and key gain ``g`` (both (d,)), with H routing heads
 of width d/H:
@@ -49,3 +50,22 @@ def mhar_route_reference(sources: Tensor, query: Tensor, key_weight: Tensor, num
     a = a.repeat_interleave(d // num_heads, dim=-1)  # each head's weight over its channels
     out = (a * sources.to(a.dtype)).sum(0)
     return out.to(sources.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The float64 oracle
+# ----------------------------------------------------------------------------------------------------------
+
+
+def mhar_route_float64(sources: Tensor, query: Tensor, key_weight: Tensor, num_heads: int,
+                       eps: float = 1e-6) -> Tensor:
+    """The reference evaluated in float64 on the inputs' values (bf16 inputs as rounded): a float64
+    (B, T, d) output, differentiable in all three inputs."""
+    return mhar_route_reference(sources.double(), query.double(), key_weight.double(), num_heads, eps)
+
+
+def routing_logsumexp_float64(sources: Tensor, query: Tensor, key_weight: Tensor, num_heads: int,
+                              eps: float = 1e-6) -> Tensor:
+    """Log-sum-exp over depth of the routing logits, (B, T, H) float64: the statistic the kernels save for
+    their backward."""
+    return routing_logits(sources.double(), query.double(), key_weight.double(), num_heads, eps).logsumexp(0)
