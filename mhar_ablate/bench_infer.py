@@ -173,7 +173,7 @@ def _new_row(v: Variant, args: argparse.Namespace, batch: int, seq: int, new: in
     return {"variant": infer_name(v), "routing": v.routing, "heads": _heads(v, args.heads), "grouping": v.grouping,
             "path": v.path, "batch": batch, "prefill_tokens": seq, "decode_context": seq - new, "new_tokens": new,
             "dtype": str(dtype).removeprefix("torch."), "prefill_ms": None, "prefill_tokens_per_s": None,
-            "decode_ms_per_token": None, "decode_tokens_per_s": None, "peak_gb": None, "kv_cache_gb": None,
+            "decode_ms_per_token": None, "decode_tokens_per_s": None, "peak_gb": None, "kv_cache_mb": None,
             "status": "ok"}
 
 
@@ -263,7 +263,7 @@ def measure(model, batch: int, seq: int, new: int, vocab: int, device, repeats: 
         if cuda:
             row["peak_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 3)
     cache = model.new_cache(batch, seq)
-    row["kv_cache_gb"] = round((cache.k.nbytes + cache.v.nbytes) / 1e9, 3)
+    row["kv_cache_mb"] = round((cache.k.nbytes + cache.v.nbytes) / 1e6, 3)
     del cache
     row["prefill_tokens_per_s"] = round(batch * seq / (row["prefill_ms"] / 1e3), 1)
     row["decode_tokens_per_s"] = round(batch / (row["decode_ms_per_token"] / 1e3), 1)
@@ -292,7 +292,7 @@ def _summary(row: dict) -> str:
 def render_table(rows: list[dict]) -> str:
     """The rows as a Markdown table (what ``docs/benchmarks.md`` shows)."""
     head = ("| variant | batch | prefill tokens/s | × baseline | decode ms/token | × baseline | decode tokens/s "
-            "| peak GB | KV cache GB | status |")
+            "| peak GB | KV cache MB | status |")
     lines = [head, "|" + "---|" * 10]
 
     def f(x, fmt):
@@ -302,5 +302,5 @@ def render_table(rows: list[dict]) -> str:
         lines.append(f"| {r['variant']} | {r['batch']} | {f(r['prefill_tokens_per_s'], ',.0f')} "
                      f"| {f(r['prefill_ratio_to_baseline'], '.3f')} | {f(r['decode_ms_per_token'], '.2f')} "
                      f"| {f(r['decode_latency_ratio_to_baseline'], '.3f')} | {f(r['decode_tokens_per_s'], ',.0f')} "
-                     f"| {f(r['peak_gb'], '.2f')} | {f(r['kv_cache_gb'], '.3f')} | {r['status']} |")
+                     f"| {f(r['peak_gb'], '.2f')} | {f(r['kv_cache_mb'], ',.1f')} | {r['status']} |")
     return "\n".join(lines)

@@ -130,7 +130,7 @@ def test_bench_infer_cpu_smoke_run(tmp_path, capsys):
         assert r["prefill_tokens_per_s"] > 0 and r["decode_ms_per_token"] > 0
         assert r["decode_tokens_per_s"] == pytest.approx(r["batch"] / r["decode_ms_per_token"] * 1e3, rel=1e-3)
         # tiny: 4 layers x (keys, values) x 2 heads x 16 positions x 16 channels x 4 bytes per sequence
-        assert r["kv_cache_gb"] == round(r["batch"] * 4 * 2 * 2 * 16 * 16 * 4 / 1e9, 3)
+        assert r["kv_cache_mb"] == round(r["batch"] * 4 * 2 * 2 * 16 * 16 * 4 / 1e6, 3)
     assert rows[0]["prefill_ratio_to_baseline"] == 1.0 and rows[1]["decode_latency_ratio_to_baseline"] == 1.0
     assert rows[2]["routing"] == "mhar" and rows[2]["heads"] == 8 and rows[2]["grouping"] == "full"
     assert "| muddformer | 3 |" in capsys.readouterr().out.splitlines()[-1]
