@@ -87,7 +87,8 @@ def test_greedy_generation_with_the_cache_equals_generation_without(over):
     assert torch.equal(cached, model.generate(prompt, 8, use_cache=False))
 
 
-@pytest.mark.parametrize("kind,grouping,heads", [("mhar", "full", 4), ("mhar", "block:2", 4), ("attnres", "full", 1)])
+@pytest.mark.parametrize("kind,grouping,heads", [
+    ("mhar", "full", 4), ("mhar", "block:2", 4), ("attnres", "full", 1), ("delta", "full", 4)])
 def test_fused_path_decodes_one_token_at_a_time(kind, grouping, heads):
     """The fused path's kernels (Triton's interpreter here) at T = 1 and one sequence (N = 1), against the
     reference path's full forward."""
