@@ -51,14 +51,20 @@ def _model(over: dict, **model) -> Decoder:
     return m
 
 
-def _cached_logits(model: Decoder, idx: torch.Tensor, chunks: list[int]) -> torch.Tensor:
-    """Logits of ``idx`` fed into one cache in pieces of the given lengths."""
-    cache = model.new_cache(idx.shape[0], idx.shape[1])
+def _cached_logits(model: Decoder, idx: torch.Tensor, chunks: list[int], static_after: int | None = None) -> torch.Tensor:
+    """Logits of ``idx`` fed into one cache in pieces of the given lengths; with ``static_after`` the cache
+    turns static (the CUDA-graph decode's fixed shapes) after that many pieces."""
+    cache = model.new_cache(idx.shape[0], idx.shape[1] + 3)  # room to spare: static steps attend to all of it
     out, start = [], 0
-    for n in chunks:
+    for i, n in enumerate(chunks):
+        if i == static_after:
+            cache.make_static()
         out.append(model(idx[:, start:start + n], cache))
         start += n
-    assert start == idx.shape[1] and cache.length == start
+    if static_after is None:
+        assert cache.length == start
+    else:
+        assert cache.position.item() == start
     return torch.cat(out, dim=1)
 
 
@@ -76,6 +82,8 @@ def test_prefill_then_decode_gives_the_full_forward_logits(over):
         torch.testing.assert_close(_cached_logits(model, idx, [5] + [1] * 7), full, **TOL)
         torch.testing.assert_close(_cached_logits(model, idx, [3, 6, 1, 1, 1]), full, **TOL)
         torch.testing.assert_close(model(idx[:, :7], model.new_cache(2), last_only=True), full[:, 6:7], **TOL)
+        # static after the prompt: the position on the device, every step over the whole (masked) cache
+        torch.testing.assert_close(_cached_logits(model, idx, [5] + [1] * 7, static_after=1), full, **TOL)
 
 
 @pytest.mark.parametrize("over", [k[1] for k in KINDS], ids=[k[0] for k in KINDS])

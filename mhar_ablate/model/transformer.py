@@ -61,6 +61,8 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0
+        self.position: Tensor | None = None  # static mode (below): the next position, on the device
+        self.visible: Tensor | None = None  # static mode: the current step's mask (1, 1, 1, max_len)
 
     @property
     def max_len(self) -> int:
@@ -73,6 +75,21 @@ class KVCache:
         self.k[layer, :, :, self.length:end] = k
         self.v[layer, :, :, self.length:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    # ------------------------------------------------------------ fixed shapes, for a CUDA graph
+    # A captured decode step must not depend on Python state that changes from step to step. After
+    # ``make_static`` the next position lives on the device (``position``), each step writes its keys and
+    # values there with index_copy_ and attends to all max_len positions through a mask of the filled
+    # ones, and the decoder moves ``position`` on in place. ``length`` then stays where it was: the caller
+    # keeps the steps within max_len (a bound a device-side position cannot check without a sync).
+
+    def make_static(self) -> None:
+        self.position = torch.tensor([self.length], dtype=torch.long, device=self.k.device)
+
+    def write_at_position(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.k[layer].index_copy_(2, self.position, k)
+        self.v[layer].index_copy_(2, self.position, v)
+        return self.k[layer], self.v[layer]
 
 
 class Attention(nn.Module):
@@ -102,15 +119,18 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(hk).view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
         v = self.v_proj(hv).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        past = 0
-        if cache is not None:
+        past, mask = 0, None
+        if cache is not None and cache.position is not None:  # one token at a device-side position
+            past, mask = 1, cache.visible
+            k, v = cache.write_at_position(layer, k, v)
+        elif cache is not None:
             past = cache.length
             k, v = cache.append(layer, k, v)
         rep = self.n_heads // self.n_kv
         if past and T == 1:
-            # One new token sees every cached position: no mask, and each key-value head's query heads
-            # as rows of one query block, which spares the repeat of the whole cache at every step.
-            y = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, rep, self.head_dim), k, v)
+            # One new token sees every cached position (static: every filled one): each key-value head's
+            # query heads as rows of one query block, which spares the repeat of the whole cache each step.
+            y = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, rep, self.head_dim), k, v, attn_mask=mask)
             y = y.view(B, self.n_heads, 1, self.head_dim)
         else:
             if rep > 1:
@@ -173,20 +193,29 @@ class Decoder(nn.Module):
         """Logits of the tokens ``idx`` (B, T): of every position, or with ``last_only`` of the last one
         (B, 1, vocab). With a ``cache`` the tokens follow the positions it holds (a prompt into an empty
         cache, then one token a step), and their keys and values are added to it."""
+        static = cache is not None and cache.position is not None
         past = 0 if cache is None else cache.length
         end = past + idx.shape[1]
         if end > self.rope_cos.shape[0]:
             raise ValueError(f"sequence of {end} tokens is longer than model.seq_len={self.rope_cos.shape[0]}")
         if cache is not None and end > cache.max_len:
             raise ValueError(f"sequence of {end} tokens is longer than the cache's {cache.max_len} positions")
-        cos, sin = self.rope_cos[past:end], self.rope_sin[past:end]
+        if static:
+            if idx.shape[1] != 1:
+                raise ValueError("a static cache (make_static) takes one token a step")
+            cos, sin = self.rope_cos.index_select(0, cache.position), self.rope_sin.index_select(0, cache.position)
+            cache.visible = (torch.arange(cache.max_len, device=idx.device) <= cache.position).view(1, 1, 1, -1)
+        else:
+            cos, sin = self.rope_cos[past:end], self.rope_sin[past:end]
         state = self.residual.start(self.embed(idx))
         for site, layer in enumerate(self.sublayers):
             x = self.residual.read(state, site)
             out = layer(x, cos, sin, cache, site // 2) if isinstance(layer, Attention) else layer(x)
             self.residual.write(state, site, out)
         h = self.residual.finish(state)
-        if cache is not None:
+        if static:
+            cache.position += 1
+        elif cache is not None:
             cache.length = end
         if last_only:
             h = h[:, -1:]
