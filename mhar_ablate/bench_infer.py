@@ -7,7 +7,9 @@ Per variant and per ``--batch`` value, on random weights and tokens (speed does 
 - decode: after a prompt of ``seq_len - new_tokens`` tokens, ``--new-tokens`` greedy steps of one token
   (a step: the cached forward and the argmax that feeds the next one); the median step time per token,
   CUDA events on a GPU, so decode runs at context lengths seq_len - new_tokens .. seq_len;
-- peak memory over both (weights, KV cache and activations), and the KV cache's own size.
+- peak memory over both (weights, KV cache and activations), and the KV cache's own size;
+- with ``--cuda-graph``, the same decode with each step replayed from one CUDA graph (``graph_decode``):
+  the GPU's work per token without the host's launch cost, which dominates an eager step at batch 1.
 
 Variants are those of ``bench model`` (the registry's kinds; AttnRes, MHAR and delta with ``full`` and
 ``block:4`` grouping, each on the reference and the fused path), run eagerly: the model's weights in bf16
@@ -78,6 +80,9 @@ def add_infer_parser(targets: Any) -> None:
     m.add_argument("--new-tokens", type=int, help=f"decode steps timed, after a prompt of seq - new tokens "
                                                   f"(default 32; {CPU_NEW_TOKENS} with --device cpu)")
     m.add_argument("--repeats", type=int, default=3, help="timed prefill runs, median taken (default 3)")
+    m.add_argument("--cuda-graph", action="store_true",
+                   help="also replay each decode step from a CUDA graph (the graph ms/token column): the GPU work "
+                        "without the host's launch cost")
     m.add_argument("--json", metavar="FILE", help="also write the rows as a JSON list (after every row)")
     m.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda (default), or cpu for a small smoke run of the command itself")
@@ -104,6 +109,8 @@ def bench_infer(args: argparse.Namespace) -> int:
                          "--device cpu runs a small smoke test of the command instead")
     if args.heads < 1 or args.repeats < 1:
         raise UsageError("--heads and --repeats must be at least 1")
+    if args.cuda_graph and args.device == "cpu":
+        raise UsageError("--cuda-graph needs a GPU: a CUDA graph replays CUDA work, and --device cpu has none")
     batches = _batches(args.batch)
     variants = select(args.variants, infer_variants())
     device = torch.device(args.device)
@@ -122,7 +129,8 @@ def bench_infer(args: argparse.Namespace) -> int:
            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
     print(f"bench infer: preset {args.preset} (d={model_cfg.d_model}, {model_cfg.n_layers} layers, vocab {vocab:,}); "
           f"prefill {seq} tokens a sequence, decode {new} tokens after {seq - new}; batch {', '.join(map(str, batches))}; "
-          f"{'fp32' if cpu else 'bf16 weights, bf16 autocast'}; {env['device']}, torch {env['torch']}", flush=True)
+          f"{'fp32' if cpu else 'bf16 weights, bf16 autocast'}{', decode also from CUDA graphs' if args.cuda_graph else ''}; "
+          f"{env['device']}, torch {env['torch']}", flush=True)
     rows: list[dict] = []
     for v in variants:
         print(f"-- {infer_name(v)}", flush=True)
@@ -133,7 +141,7 @@ def bench_infer(args: argparse.Namespace) -> int:
             if isinstance(model, str):
                 row["status"] = model
             else:
-                _attempt(row, measure, model, batch, seq, new, vocab, device, args.repeats, row)
+                _attempt(row, measure, model, batch, seq, new, vocab, device, args.repeats, args.cuda_graph, row)
             rows.append(row)
             print("   " + _summary(row), flush=True)
             _ratios(rows)
@@ -174,18 +182,20 @@ def _new_row(v: Variant, args: argparse.Namespace, batch: int, seq: int, new: in
             "path": v.path, "batch": batch, "prefill_tokens": seq, "decode_context": seq - new, "new_tokens": new,
             "dtype": str(dtype).removeprefix("torch."), "prefill_ms": None, "prefill_tokens_per_s": None,
             "decode_ms_per_token": None, "decode_tokens_per_s": None, "peak_gb": None, "kv_cache_mb": None,
-            "status": "ok"}
+            "decode_graph_ms_per_token": None, "decode_graph_tokens_per_s": None, "graph_check_rel_err": None,
+            "graph_status": None, "status": "ok"}
 
 
-def _attempt(row: dict, fn, *args) -> None:
+def _attempt(row: dict, fn, *args, status: str = "status") -> None:
+    """``fn(*args)``; what broke, if anything, in ``row[status]``, and the next measurement still runs."""
     import torch
 
     try:
         fn(*args)
     except torch.OutOfMemoryError:
-        row["status"] = "out of memory"
-    except Exception as e:  # a row that says what broke, and the next measurement still runs
-        row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        row[status] = "out of memory"
+    except Exception as e:
+        row[status] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         traceback.print_exc()
 
 
@@ -222,14 +232,16 @@ class _Clock:
         return [a.elapsed_time(b) for a, b in self.marks]
 
 
-def measure(model, batch: int, seq: int, new: int, vocab: int, device, repeats: int, row: dict) -> None:
+def measure(model, batch: int, seq: int, new: int, vocab: int, device, repeats: int, cuda_graph: bool,
+            row: dict) -> None:
     """Fill the row's prefill, decode and memory figures (see the module docstring)."""
     import torch
 
     cuda = device.type == "cuda"
     gen = torch.Generator(device=device).manual_seed(1)
     prompt = torch.randint(0, vocab, (batch, seq), device=device, generator=gen)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda)
+    # No cast cache: the weights are bf16 already, and a CUDA graph must not capture cached casts.
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda, cache_enabled=False)
 
     def prefill(clock: _Clock | None):
         cache = model.new_cache(batch, seq)
@@ -238,12 +250,16 @@ def measure(model, batch: int, seq: int, new: int, vocab: int, device, repeats: 
         return logits
 
     def decode(clock: _Clock | None):
+        """The timed steps; returns the first step's logits (what the graph's first replay must give)."""
         cache = model.new_cache(batch, seq)
         tok = model(prompt[:, :seq - new], cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
+        first = None
         for _ in range(new):
             with clock or nullcontext():
-                tok = model(tok, cache)[:, -1].argmax(-1, keepdim=True)
-        return tok
+                logits = model(tok, cache)
+                tok = logits[:, -1].argmax(-1, keepdim=True)
+            first = logits if first is None else first
+        return first
 
     with torch.inference_mode(), autocast:
         if cuda:
@@ -258,15 +274,63 @@ def measure(model, batch: int, seq: int, new: int, vocab: int, device, repeats: 
             raise RuntimeError("the prefill's logits are not finite")
         decode(None)
         clock = _Clock(device)
-        decode(clock)
+        eager_first = decode(clock)
         row["decode_ms_per_token"] = round(statistics.median(clock.times()), 3)
         if cuda:
             row["peak_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 3)
+        if cuda_graph:
+            row["graph_status"] = "ok"
+            _attempt(row, graph_decode, model, prompt, new, eager_first, row, status="graph_status")
     cache = model.new_cache(batch, seq)
     row["kv_cache_mb"] = round((cache.k.nbytes + cache.v.nbytes) / 1e6, 3)
     del cache
     row["prefill_tokens_per_s"] = round(batch * seq / (row["prefill_ms"] / 1e3), 1)
     row["decode_tokens_per_s"] = round(batch / (row["decode_ms_per_token"] / 1e3), 1)
+
+
+# The first replayed step against the eager one at the same position: bf16 logits of two attention kernels
+# (the prefix of the cache; all of it, masked) differ by rounding, about 1 % in norm; a captured step that
+# read a stale position or cache would be off by far more.
+GRAPH_CHECK_REL_ERR = 0.05
+
+
+def graph_decode(model, prompt, new: int, eager_first, row: dict) -> None:
+    """The decode of ``measure`` with every step replayed from one CUDA graph: the prompt into a cache made
+    static (``KVCache.make_static``), two warm-up steps on a side stream, one step captured (forward and
+    argmax into the token it reads), then ``new`` replays from the prompt's end, the first checked against
+    the eager step, the others timed."""
+    import torch
+
+    batch, seq = prompt.shape
+    cache = model.new_cache(batch, seq)
+    tok = model(prompt[:, :seq - new], cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
+    cache.make_static()
+    start = cache.position.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            model(tok, cache)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        logits = model(tok, cache)
+        tok.copy_(logits[:, -1].argmax(-1, keepdim=True))
+    # The warm-up and the capture moved the position on; the replays start at the prompt's end again (the
+    # warm-up's keys and values there are overwritten by the replays before anything reads them).
+    cache.position.copy_(start)
+    graph.replay()
+    err = ((logits.float() - eager_first.float()).norm() / eager_first.float().norm()).item()
+    row["graph_check_rel_err"] = round(err, 5)
+    if not err <= GRAPH_CHECK_REL_ERR:
+        raise RuntimeError(f"the replayed step's logits are {err:.3f} from the eager step's (relative norm)")
+    clock = _Clock(torch.device("cuda"))
+    for _ in range(new - 1):
+        with clock:
+            graph.replay()
+    row["decode_graph_ms_per_token"] = round(statistics.median(clock.times()), 3)
+    row["decode_graph_tokens_per_s"] = round(batch / (row["decode_graph_ms_per_token"] / 1e3), 1)
+    del graph
 
 
 def _ratios(rows: list[dict]) -> None:
@@ -279,21 +343,29 @@ def _ratios(rows: list[dict]) -> None:
                                             if ok else None)
         row["decode_latency_ratio_to_baseline"] = (round(row["decode_ms_per_token"] / base["decode_ms_per_token"], 4)
                                                    if ok else None)
+        graphs = ok and row["decode_graph_ms_per_token"] and base["decode_graph_ms_per_token"]
+        row["graph_latency_ratio_to_baseline"] = (
+            round(row["decode_graph_ms_per_token"] / base["decode_graph_ms_per_token"], 4) if graphs else None)
 
 
 def _summary(row: dict) -> str:
     if row["status"] != "ok":
         return f"batch {row['batch']}: {row['status']}"
     peak = "" if row["peak_gb"] is None else f", peak {row['peak_gb']:.2f} GB"
+    graph = ""
+    if row["graph_status"] == "ok":
+        graph = f", from a CUDA graph {row['decode_graph_ms_per_token']:.2f} ms/token"
+    elif row["graph_status"] is not None:
+        graph = f", CUDA graph: {row['graph_status']}"
     return (f"batch {row['batch']}: prefill {row['prefill_tokens_per_s']:,.0f} tokens/s, decode "
-            f"{row['decode_ms_per_token']:.2f} ms/token{peak}")
+            f"{row['decode_ms_per_token']:.2f} ms/token{graph}{peak}")
 
 
 def render_table(rows: list[dict]) -> str:
     """The rows as a Markdown table (what ``docs/benchmarks.md`` shows)."""
     head = ("| variant | batch | prefill tokens/s | × baseline | decode ms/token | × baseline | decode tokens/s "
-            "| peak GB | KV cache MB | status |")
-    lines = [head, "|" + "---|" * 10]
+            "| graph ms/token | × baseline | peak GB | KV cache MB | status |")
+    lines = [head, "|" + "---|" * 12]
 
     def f(x, fmt):
         return "–" if x is None else format(x, fmt)
@@ -302,5 +374,7 @@ def render_table(rows: list[dict]) -> str:
         lines.append(f"| {r['variant']} | {r['batch']} | {f(r['prefill_tokens_per_s'], ',.0f')} "
                      f"| {f(r['prefill_ratio_to_baseline'], '.3f')} | {f(r['decode_ms_per_token'], '.2f')} "
                      f"| {f(r['decode_latency_ratio_to_baseline'], '.3f')} | {f(r['decode_tokens_per_s'], ',.0f')} "
-                     f"| {f(r['peak_gb'], '.2f')} | {f(r['kv_cache_mb'], ',.1f')} | {r['status']} |")
+                     f"| {f(r['decode_graph_ms_per_token'], '.2f')} | {f(r.get('graph_latency_ratio_to_baseline'), '.3f')} "
+                     f"| {f(r['peak_gb'], '.2f')} | {f(r['kv_cache_mb'], ',.1f')} "
+                     f"| {r['status'] if r['graph_status'] in (None, 'ok') else r['status'] + '; graph: ' + r['graph_status']} |")
     return "\n".join(lines)
