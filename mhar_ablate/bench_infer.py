@@ -281,16 +281,17 @@ def measure(model, batch: int, seq: int, new: int, vocab: int, device, repeats: 
         if cuda_graph:
             row["graph_status"] = "ok"
             _attempt(row, graph_decode, model, prompt, new, eager_first, row, status="graph_status")
-    cache = model.new_cache(batch, seq)
-    row["kv_cache_mb"] = round((cache.k.nbytes + cache.v.nbytes) / 1e6, 3)
-    del cache
+    cfg = model.cfg  # keys and values of every layer, as KVCache holds them
+    head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
+    elements = 2 * cfg.n_layers * batch * cfg.n_kv_heads * seq * head_dim
+    row["kv_cache_mb"] = round(elements * model.embed.weight.element_size() / 1e6, 3)
     row["prefill_tokens_per_s"] = round(batch * seq / (row["prefill_ms"] / 1e3), 1)
     row["decode_tokens_per_s"] = round(batch / (row["decode_ms_per_token"] / 1e3), 1)
 
 
 # The first replayed step against the eager one at the same position: bf16 logits of two attention kernels
-# (the prefix of the cache; all of it, masked) differ by rounding, about 1 % in norm; a captured step that
-# read a stale position or cache would be off by far more.
+# (the prefix of the cache; all of it, masked) differ by rounding only; a captured step that read a stale
+# position or cache would be off by far more.
 GRAPH_CHECK_REL_ERR = 0.05
 
 
