@@ -121,8 +121,11 @@ def select_variants(spec: str, variants: list[Variant]) -> list[Variant]:
 
 
 def add_bench_parser(subparsers: Any) -> None:
-    """Add ``bench`` (with its one target, ``model``) to the command line's subparsers."""
-    bench = subparsers.add_parser("bench", help="measure training speed and memory of the residual variants on a GPU")
+    """Add ``bench`` (with its targets ``model`` and ``infer``) to the command line's subparsers."""
+    from .bench_infer import add_infer_parser
+
+    bench = subparsers.add_parser("bench", help="measure training and inference speed and memory of the residual "
+                                                "variants on a GPU")
     targets = bench.add_subparsers(dest="bench_target", metavar="TARGET", parser_class=type(bench))
     m = targets.add_parser("model", help="training step of each variant: tokens/s, ratio to the baseline, "
                                          "peak memory, routing time")
@@ -152,11 +155,17 @@ def add_bench_parser(subparsers: Any) -> None:
     m.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda (default), or cpu for a small smoke run of the command itself")
     m.add_argument("--debug", action="store_true", help="show tracebacks")
+    add_infer_parser(targets)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if getattr(args, "bench_target", None) != "model":
-        raise UsageError("bench needs a target: mhar-ablate bench model [--preset NAME] ...")
+    target = getattr(args, "bench_target", None)
+    if target == "infer":
+        from .bench_infer import bench_infer
+
+        return bench_infer(args)
+    if target != "model":
+        raise UsageError("bench needs a target: mhar-ablate bench model|infer [--preset NAME] ...")
     return bench_model(args)
 
 

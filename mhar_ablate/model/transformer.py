@@ -4,6 +4,14 @@ RMSNorm, rotary embeddings, grouped-query attention with per-head QK-norm throug
 ``scaled_dot_product_attention``, a SwiGLU MLP and tied input/output embeddings (or a separate output
 matrix, ``model.tie_embeddings=false``). Sublayers are pre-norm;
 what they read and how their outputs are kept is the residual variant's business.
+
+Cached decoding (``KVCache``, ``Decoder.generate``): the forward takes a cache, continues from the
+positions it holds and appends the new keys and values. Only attention looks across positions; every
+residual kind mixes, at one position, the sources of that position (the embedding and earlier sublayers'
+outputs), so a step runs the ordinary residual loop over the new tokens alone and keeps no sources
+across steps: one history per step, each source written once, whatever the kind. MUDDFormer's keys
+and values come from their own per-position mixes of the block outputs; the cache holds the projected
+keys and values, so it serves that kind like any other.
 """
 
 from __future__ import annotations
@@ -43,6 +51,47 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+class KVCache:
+    """Every attention layer's keys and values (after QK-norm and rotary embedding, ``n_kv_heads`` heads)
+    for the first ``length`` positions: two preallocated (layers, B, n_kv, max_len, head_dim) tensors."""
+
+    def __init__(self, n_layers: int, batch: int, n_kv: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str | None = None):
+        shape = (n_layers, batch, n_kv, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+        self.position: Tensor | None = None  # static mode (below): the next position, on the device
+        self.visible: Tensor | None = None  # static mode: the current step's mask (1, 1, 1, max_len)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store the new positions' keys and values (B, n_kv, T, hd) of ``layer``; return the layer's
+        keys and values of every position so far. ``length`` moves on once per forward (the decoder's)."""
+        end = self.length + k.shape[2]
+        self.k[layer, :, :, self.length:end] = k
+        self.v[layer, :, :, self.length:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    # ------------------------------------------------------------ fixed shapes, for a CUDA graph
+    # A captured decode step must not depend on Python state that changes from step to step. After
+    # ``make_static`` the next position lives on the device (``position``), each step writes its keys and
+    # values there with index_copy_ and attends to all max_len positions through a mask of the filled
+    # ones, and the decoder moves ``position`` on in place. ``length`` then stays where it was: the caller
+    # keeps the steps within max_len (a bound a device-side position cannot check without a sync).
+
+    def make_static(self) -> None:
+        self.position = torch.tensor([self.length], dtype=torch.long, device=self.k.device)
+
+    def write_at_position(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.k[layer].index_copy_(2, self.position, k)
+        self.v[layer].index_copy_(2, self.position, v)
+        return self.k[layer], self.v[layer]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -56,7 +105,8 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
 
-    def forward(self, x: Tensor | tuple[Tensor, Tensor, Tensor], cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor | tuple[Tensor, Tensor, Tensor], cos: Tensor, sin: Tensor,
+                cache: KVCache | None = None, layer: int = 0) -> Tensor:
         if isinstance(x, tuple):
             # A multiway residual (MUDDFormer) feeds queries, keys and values from separate streams: each
             # is normalised on its own (its own RMS), through the one gain, which the projection after it
@@ -69,11 +119,28 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(hk).view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
         v = self.v_proj(hv).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.n_kv != self.n_heads:
-            # Explicit repeat rather than enable_gqa: it works on every SDPA backend, CPU included.
-            rep = self.n_heads // self.n_kv
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        past, mask = 0, None
+        if cache is not None and cache.position is not None:  # one token at a device-side position
+            past, mask = 1, cache.visible
+            k, v = cache.write_at_position(layer, k, v)
+        elif cache is not None:
+            past = cache.length
+            k, v = cache.append(layer, k, v)
+        rep = self.n_heads // self.n_kv
+        if past and T == 1:
+            # One new token sees every cached position (static: every filled one): each key-value head's
+            # query heads as rows of one query block, which spares the repeat of the whole cache each step.
+            y = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, rep, self.head_dim), k, v, attn_mask=mask)
+            y = y.view(B, self.n_heads, 1, self.head_dim)
+        else:
+            if rep > 1:
+                # Explicit repeat rather than enable_gqa: it works on every SDPA backend, CPU included.
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            if past:  # new tokens after cached ones: token i sees positions up to past + i
+                mask = torch.ones(T, past + T, dtype=torch.bool, device=q.device).tril(past)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -122,18 +189,71 @@ class Decoder(nn.Module):
                 std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("o_proj.weight", "down.weight")) else 0.02
                 nn.init.normal_(p, mean=0.0, std=std)
 
-    def forward(self, idx: Tensor) -> Tensor:
-        T = idx.shape[1]
-        if T > self.rope_cos.shape[0]:
-            raise ValueError(f"sequence of {T} tokens is longer than model.seq_len={self.rope_cos.shape[0]}")
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+    def forward(self, idx: Tensor, cache: KVCache | None = None, last_only: bool = False) -> Tensor:
+        """Logits of the tokens ``idx`` (B, T): of every position, or with ``last_only`` of the last one
+        (B, 1, vocab). With a ``cache`` the tokens follow the positions it holds (a prompt into an empty
+        cache, then one token a step), and their keys and values are added to it."""
+        static = cache is not None and cache.position is not None
+        past = 0 if cache is None else cache.length
+        end = past + idx.shape[1]
+        if end > self.rope_cos.shape[0]:
+            raise ValueError(f"sequence of {end} tokens is longer than model.seq_len={self.rope_cos.shape[0]}")
+        if cache is not None and end > cache.max_len:
+            raise ValueError(f"sequence of {end} tokens is longer than the cache's {cache.max_len} positions")
+        if static:
+            if idx.shape[1] != 1:
+                raise ValueError("a static cache (make_static) takes one token a step")
+            cos, sin = self.rope_cos.index_select(0, cache.position), self.rope_sin.index_select(0, cache.position)
+            cache.visible = (torch.arange(cache.max_len, device=idx.device) <= cache.position).view(1, 1, 1, -1)
+        else:
+            cos, sin = self.rope_cos[past:end], self.rope_sin[past:end]
         state = self.residual.start(self.embed(idx))
         for site, layer in enumerate(self.sublayers):
             x = self.residual.read(state, site)
-            out = layer(x, cos, sin) if isinstance(layer, Attention) else layer(x)
+            out = layer(x, cos, sin, cache, site // 2) if isinstance(layer, Attention) else layer(x)
             self.residual.write(state, site, out)
-        h = self.norm(self.residual.finish(state))
-        return F.linear(h, self.embed.weight if self.lm_head is None else self.lm_head.weight)
+        h = self.residual.finish(state)
+        if static:
+            cache.position += 1
+        elif cache is not None:
+            cache.length = end
+        if last_only:
+            h = h[:, -1:]
+        return F.linear(self.norm(h), self.embed.weight if self.lm_head is None else self.lm_head.weight)
+
+    def new_cache(self, batch: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
+        """An empty cache for ``batch`` sequences of up to ``max_len`` tokens (default: model.seq_len),
+        in the dtype of the model's weights unless ``dtype`` is given."""
+        cfg, w = self.cfg, self.embed.weight
+        head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
+        return KVCache(cfg.n_layers, batch, cfg.n_kv_heads, max_len or self.rope_cos.shape[0], head_dim,
+                       dtype or w.dtype, w.device)
+
+    @torch.no_grad()
+    def generate(self, idx: Tensor, new_tokens: int, use_cache: bool = True) -> Tensor:
+        """Greedy continuation: ``idx`` (B, T) followed by ``new_tokens`` argmax tokens, (B, T + new_tokens).
+        With ``use_cache`` the prompt is run once into a KV cache and each new token alone after it;
+        without, the whole sequence is run again for every token (the same tokens, for checking)."""
+        record = getattr(self.residual, "record", None)
+        if hasattr(self.residual, "record"):
+            self.residual.record = False  # depth weights are a training diagnostic: not per decoded token
+        try:
+            if not use_cache:
+                for _ in range(new_tokens):
+                    nxt = self(idx, last_only=True)[:, -1].argmax(-1, keepdim=True)
+                    idx = torch.cat([idx, nxt], dim=1)
+                return idx
+            cache = self.new_cache(idx.shape[0], idx.shape[1] + new_tokens)
+            out = [idx]
+            logits = self(idx, cache, last_only=True)
+            for i in range(new_tokens):
+                out.append(logits[:, -1].argmax(-1, keepdim=True))
+                if i < new_tokens - 1:
+                    logits = self(out[-1], cache)
+            return torch.cat(out, dim=1)
+        finally:
+            if hasattr(self.residual, "record"):
+                self.residual.record = record
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         """AdamW groups: matrices decay; norms' gains and the residual variant's routing and static
