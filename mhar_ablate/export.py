@@ -5,7 +5,7 @@ training time (the largest training time every arm reached) and at equal trainin
 every arm spent, by model/flops.py's count), mean ± std over seeds with n; the paired
 difference to the baseline arm with a 95 % t-interval over seeds; throughput relative to the baseline;
 peak memory; parameter overhead. The lowest loss in each loss column is marked. Diverged trials are
-counted but left out of the equal-step/equal-time points (their curves end early).
+counted but left out of the equal points (their curves end early).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def collect(study) -> tuple[dict[str, list[TrialData]], list[str]]:
             per_token = _num(u.get("flops_per_token"))
             curve = [tuple(float(x) for x in p) for p in u.get("curve", [])]
             if per_token:
-                curve = [(*p[:4], p[2] * per_token) for p in curve]  # FLOPs: FLOPS_AXIS
+                curve = [(*p[:4], p[2] * per_token) for p in curve]  # training FLOPs at index FLOPS_AXIS
             by_arm[arm].append(TrialData(arm, seed, u.get("status", "pruned" if t.state.name == "PRUNED" else "completed"),
                                          curve, _num(u.get("tokens_per_s")), _num(u.get("peak_mem_gb")), u.get("params"),
                                          _num(u.get("param_overhead_pct")), u.get("device", ""), u.get("routing_backend", ""),
@@ -218,7 +218,8 @@ def build_table(study) -> StudyTable:
 
 
 SHARED_NOTE = ("† Measured on a shared device: trials ran several at a time on one GPU (--trials-per-gpu), so the "
-               "equal-time and throughput columns measure the sharing too; the equal-step columns are unaffected.")
+               "equal-time and throughput columns measure the sharing too; the equal-step and equal-FLOPs columns "
+               "are unaffected.")
 SHARED_COLUMNS = (4, 5, 8)  # val loss @ T, its Δ, throughput: the columns that depend on speed
 LOSS_COLUMNS = ("loss_at_steps", "loss_at_time", "loss_at_flops")
 # The measure each budget is judged by: its own equal point.
@@ -259,7 +260,8 @@ def _cells(table: StudyTable, row: dict[str, Any], bold) -> list[str]:
     n = f"{row['n']}" + (f" (+{row['diverged']} diverged)" if row["diverged"] else "") + (
         f" (+{row['pruned']} pruned)" if row["pruned"] else "")
     return [row["arm"], n, loss("loss_at_steps"), delta("delta_at_steps"), loss("loss_at_time"), delta("delta_at_time"),
-            loss("loss_at_flops"), delta("delta_at_flops"), f"{tvb:.2f}×" if tvb else "–", f"{mem:.1f}" if mem else "–", f"{pct:+.3f} %" if pct is not None else "–"]
+            loss("loss_at_flops"), delta("delta_at_flops"), f"{tvb:.2f}×" if tvb else "–", f"{mem:.1f}" if mem else "–",
+            f"{pct:+.3f} %" if pct is not None else "–"]
 
 
 class _Bold(str):
