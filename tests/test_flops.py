@@ -17,7 +17,7 @@ from mhar_ablate.config import build_config, format_flops, parse_flops
 from mhar_ablate.errors import UsageError
 from mhar_ablate.model.flops import flops_per_token, matmul_parameters
 from mhar_ablate.model.residual import RESIDUALS
-from mhar_ablate.study import StudyDefinition, StudyRun, _pruning_reporter, load_studies, run_study
+from mhar_ablate.study import StudyDefinition, StudyRun, _pruning_reporter, run_study
 from mhar_ablate.training.run import train_run
 from mhar_ablate.training.schedule import lr_factor
 from test_study import FAST, FakeTrial
