@@ -13,6 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from .config import BUDGETS
 from .errors import UsageError
 from .redaction import redact, register
 
@@ -32,9 +33,12 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _budget_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--budget", choices=("steps", "wallclock"), help="equal optimiser steps or equal training time")
-    p.add_argument("--steps", type=int, metavar="N", help="optimiser steps for --budget steps")
+    p.add_argument("--budget", choices=BUDGETS, help="equal optimiser steps, equal training time or equal training FLOPs")
+    p.add_argument("--steps", type=int, metavar="N", help="optimiser steps for --budget steps (for a study under --budget "
+                   "flops without --flops: the baseline arm's steps, whose FLOPs every arm gets)")
     p.add_argument("--time", metavar="DURATION", help="training time for --budget wallclock: 90s, 10m, 1.5h or seconds")
+    p.add_argument("--flops", metavar="F", help="training FLOPs for --budget flops: 3e15, 3P, 300T or a number "
+                   "(each arm trains the steps they buy it; `mhar-ablate info` shows the FLOPs per step)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="print a study's ablation table and write it, with plots, beside the runs")
     e.add_argument("name")
     e.add_argument("--format", choices=("md", "latex", "csv", "json"), default="md")
-    e.add_argument("--budget", choices=("steps", "wallclock"), help="one budget (default: every budget run)")
+    e.add_argument("--budget", choices=BUDGETS, help="one budget (default: every budget run)")
     e.add_argument("--storage", metavar="URL")
     _common(e)
 
@@ -116,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, str]:
-    from .config import parse_overrides, parse_duration
+    from .config import parse_duration, parse_flops, parse_overrides
 
     o = parse_overrides(args.overrides)
     if getattr(args, "preset", None):
@@ -127,6 +131,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, str]:
         o["train.steps"] = str(args.steps)
     if getattr(args, "time", None) is not None:
         o["train.time"] = str(parse_duration(args.time))
+    if getattr(args, "flops", None) is not None:
+        o["train.flops"] = repr(parse_flops(args.flops))
     if getattr(args, "devices", None) is not None:
         o["train.devices"] = str(args.devices)
     return o
@@ -144,6 +150,14 @@ def cmd_info(args: argparse.Namespace) -> int:
     settings = f" ({', '.join(f'{k}={v}' for k, v in vars(own).items())})" if own is not None else ""
     label = kind_class(cfg.residual.kind).label(cfg.residual)  # arm_label's, without importing Lightning
     print(f"{label}{settings} parameters: {n:,}; baseline: {nb:,}; routing overhead: {pct:+.4f} %")
+    from .config import format_flops
+    from .model.flops import flops_per_token
+
+    f, fb = flops_per_token(cfg.model, cfg.residual, vocab), flops_per_token(cfg.model, type(cfg.residual)(kind="baseline"), vocab)
+    tokens = cfg.train.batch_size * cfg.model.seq_len
+    print(f"training FLOPs per token: {f.total:,.0f} (matmuls {f.matmul:,.0f}, attention {f.attention:,.0f}, "
+          f"routing {f.routing:,.0f}; baseline {fb.total:,.0f}, {100 * (f.total / fb.total - 1):+.2f} %); "
+          f"per step of {tokens:,} tokens: {format_flops(f.total * tokens)}")
     return 0
 
 
@@ -151,17 +165,26 @@ def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
-def _warn_unused_budget_options(args: argparse.Namespace, budget: str) -> bool:
-    """Warn about (and drop from ``args``) a length option of the other budget; True if one was dropped."""
-    if budget == "steps" and args.time is not None:
-        _warn("--time applies to --budget wallclock; this budget is steps (its length is --steps), so --time is ignored")
-        args.time = None
-        return True
-    if budget == "wallclock" and args.steps is not None:
-        _warn("--steps applies to --budget steps; this budget is wallclock (its length is --time), so --steps is ignored")
-        args.steps = None
-        return True
-    return False
+# Which length options each budget reads: under flops, a study reads --steps when --flops is not given
+# (the baseline's steps, whose FLOPs every arm gets); ``train`` reads --flops only.
+_LENGTH = {"steps": "--steps", "wallclock": "--time", "flops": "--flops"}
+
+
+def _warn_unused_budget_options(args: argparse.Namespace, budget: str, study: bool = False) -> bool:
+    """Warn about (and drop from ``args``) a length option of another budget; True if one was dropped."""
+    dropped = False
+    for option in ("steps", "time", "flops"):
+        if getattr(args, option, None) is None or _LENGTH[budget] == f"--{option}":
+            continue
+        if option == "steps" and budget == "flops" and study and args.flops is None:
+            continue  # the baseline's steps set the FLOPs budget
+        owner = next(b for b, o in _LENGTH.items() if o == f"--{option}")
+        why = (f"this budget is flops (its length is --flops{'; a study reads --steps only without --flops' if study else ''})"
+               if budget == "flops" else f"this budget is {budget} (its length is {_LENGTH[budget]})")
+        _warn(f"--{option} applies to --budget {owner}; {why}, so --{option} is ignored")
+        setattr(args, option, None)
+        dropped = True
+    return dropped
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -174,7 +197,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.resume:
         if args.overrides or args.config or args.preset:
             raise UsageError("--resume continues a run exactly as configured: drop --config, --preset and key=value")
-        if args.budget or args.steps is not None or args.time is not None:
+        if args.budget or args.steps is not None or args.time is not None or args.flops is not None:
             raise UsageError("--resume keeps the run's own budget")
         run_dir = find_run(output, args.resume)
         cfg = load_run_config(run_dir)
@@ -183,6 +206,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = build_config(args.config, _overrides(args))
         if _warn_unused_budget_options(args, cfg.train.budget):
             cfg = build_config(args.config, _overrides(args))  # without the option that does not apply
+        if cfg.train.budget == "flops" and cfg.train.flops is None:
+            raise UsageError("--budget flops needs its length: --flops F (like 3e15 or 3P; `mhar-ablate info` "
+                             "shows the FLOPs of one step)")
         check_writable_folder(output)
         run_dir = new_run_dir(output, cfg)
     cache = output / "cache"
@@ -232,7 +258,7 @@ def cmd_study(args: argparse.Namespace) -> int:
 
     given = parse_overrides(args.overrides)
     _overrides(args)  # a bad value (--time soon) is an error before any warning
-    _warn_unused_budget_options(args, budget)
+    _warn_unused_budget_options(args, budget, study=True)
     if "seed" in given:
         _warn(f"seed={given['seed']} is ignored: a study trains seeds 0 to N-1 of every arm (--seeds N sets N)")
     if "train.budget" in given:
@@ -278,7 +304,7 @@ def _command_line(args: argparse.Namespace) -> str:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .export import build_table, export, verdicts
+    from .export import build_table, export, rankings, verdicts
     from .study import load_studies, study_folder
 
     output = Path(args.output)
@@ -292,6 +318,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     if len(tables) > 1:
         print("verdicts by measure (lowest validation loss first):", file=sys.stderr)
         print(verdicts(tables), file=sys.stderr)
+        side = rankings(tables)
+        if side:
+            from .io import write_text
+
+            path = study_folder(output, studies[0], args.name).parent / "rankings.md"
+            write_text(path, f"### {tables[0].name}: the ranking under each budget\n\n{side}")
+            print(f"\nthe ranking under each budget (best first):\n{side}", file=sys.stderr)
+            print(f"written: {path}", file=sys.stderr)
     return 0
 
 
@@ -329,7 +363,7 @@ def _attach_negative_values(argv: list[str]) -> list[str]:
     the user hears what is wrong with the value itself."""
     out: list[str] = []
     for a in argv:
-        if out and out[-1] in ("--time", "--steps", "--seeds", "--trials", "--workers", "--devices", "--trials-per-gpu",
+        if out and out[-1] in ("--time", "--steps", "--flops", "--seeds", "--trials", "--workers", "--devices", "--trials-per-gpu",
                                "--heartbeat", "--heads", "--blocks") and re.match(r"-[0-9.]", a):
             out[-1] = f"{out[-1]}={a}"
         else:

@@ -248,11 +248,17 @@ class OptimConfig:
             raise UsageError(f"optim.grad_clip must be >= 0, got {self.grad_clip}")
 
 
+BUDGETS = ("steps", "wallclock", "flops")
+
+
 @dataclass
 class TrainConfig:
-    budget: str = "steps"  # steps | wallclock
-    steps: int = 300
+    budget: str = "steps"  # steps | wallclock | flops
+    steps: int = 300  # optimiser steps; under the flops budget, set from train.flops (see training/budget.py)
     time: float = 60.0  # seconds of training time for the wallclock budget
+    # Training FLOPs for the flops budget (3e15, 3P, 300T; the count of model/flops.py). None: in a study,
+    # the FLOPs of the baseline arm at train.steps; a run on its own must set it.
+    flops: float | None = None
     batch_size: int = 16
     eval_every: int = 10  # number of evaluations spread evenly over the budget
     eval_batches: int = 4
@@ -284,12 +290,14 @@ class TrainConfig:
     first_batch: int = 0
 
     def validate(self) -> None:
-        if self.budget not in ("steps", "wallclock"):
-            raise UsageError(f"train.budget must be steps or wallclock, got {self.budget!r}")
+        if self.budget not in BUDGETS:
+            raise UsageError(f"train.budget must be steps, wallclock or flops, got {self.budget!r}")
         if self.steps <= 0:
             raise UsageError(f"train.steps must be positive, got {self.steps}")
         if not self.time > 0 or not math.isfinite(self.time):
             raise UsageError(f"train.time must be a positive duration, got {self.time}")
+        if self.flops is not None and (not self.flops > 0 or not math.isfinite(self.flops)):
+            raise UsageError(f"train.flops must be a positive number of FLOPs, got {self.flops}")
         if self.batch_size <= 0:
             raise UsageError(f"train.batch_size must be positive, got {self.batch_size}")
         if self.checkpoint_every < 0:
@@ -368,6 +376,34 @@ def parse_duration(text: str | float | int) -> float:
     return seconds
 
 
+_FLOPS = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?)\s*([kKMGTPE]?)\s*(?:(?i:flops?)|F)?\s*$")
+FLOP_UNITS = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
+
+
+def parse_flops(text: str | float | int) -> float:
+    """``3e15``, ``3P``, ``300T``, ``1.5 PFLOPs`` or a bare number -> FLOPs (positive, finite).
+    Units are SI prefixes: k, M, G, T, P, E (a lower-case m would read as milli, so it is refused)."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        flops = float(text)
+    else:
+        s = str(text).replace("_", "").strip()
+        m = _FLOPS.match(s.lstrip("-"))
+        if not m:
+            raise UsageError(f"not a number of FLOPs: {text!r} (use 3e15, 3P, 300T or a plain number)")
+        flops = float(m.group(1)) * FLOP_UNITS[m.group(2)] * (-1 if s.startswith("-") else 1)
+    if not flops > 0 or not math.isfinite(flops):
+        raise UsageError(f"a FLOPs budget must be a positive number, got {text!r}")
+    return flops
+
+
+def format_flops(flops: float) -> str:
+    """FLOPs in three significant digits with an SI prefix: 3.42 GFLOPs, 1.00 PFLOPs."""
+    for unit in ("E", "P", "T", "G", "M", "k"):
+        if flops >= FLOP_UNITS[unit]:
+            return f"{flops / FLOP_UNITS[unit]:.3g} {unit}FLOPs"
+    return f"{flops:.3g} FLOPs"
+
+
 def _coerce(value: Any, typ: Any, key: str) -> Any:
     """Convert a YAML value or a command-line string to the field's declared type."""
     origin = getattr(typ, "__args__", None)
@@ -398,6 +434,8 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
         if base is float:
             if key == "train.time":
                 return parse_duration(value)
+            if key == "train.flops":
+                return parse_flops(value)
             return float(value)
         if base is str:
             return str(value)

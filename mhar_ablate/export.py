@@ -1,10 +1,11 @@
 """Ablation tables and plots from a finished (or unfinished) study.
 
-One row per arm: validation loss at equal steps (the largest step every arm reached) and at equal
-training time (the largest training time every arm reached), mean ± std over seeds with n; the paired
+One row per arm: validation loss at equal steps (the largest step every arm reached), at equal
+training time (the largest training time every arm reached) and at equal training FLOPs (the most FLOPs
+every arm spent, by model/flops.py's count), mean ± std over seeds with n; the paired
 difference to the baseline arm with a 95 % t-interval over seeds; throughput relative to the baseline;
 peak memory; parameter overhead. The lowest loss in each loss column is marked. Diverged trials are
-counted but left out of the equal-step/equal-time points (their curves end early).
+counted but left out of the equal points (their curves end early).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .config import format_flops
 from .errors import UsageError
 from .io import write_bytes, write_text
 
@@ -38,13 +40,15 @@ class TrialData:
     arm: str
     seed: int
     status: str
-    curve: list[tuple[float, float, float, float]]  # (step, seconds, tokens, val_loss)
+    # (step, seconds, tokens, val_loss), and training FLOPs (tokens x flops_per_token) where that is known
+    curve: list[tuple[float, ...]]
     tokens_per_s: float | None
     peak_mem_gb: float | None
     params: int | None
     overhead_pct: float | None
     device: str
     backend: str
+    flops_per_token: float | None = None  # model/flops.py's count (None: a trial from before it was recorded)
 
     @property
     def usable(self) -> bool:
@@ -67,6 +71,7 @@ class StudyTable:
     device: str = ""
     backend_note: str = ""
     shared_device: bool = False  # some trials shared a GPU (--trials-per-gpu): time and throughput are not clean
+    at_flops: float | None = None  # the equal-FLOPs point; None when a trial did not record its FLOPs per token
 
 
 def _num(v: Any) -> float | None:
@@ -102,15 +107,23 @@ def collect(study) -> tuple[dict[str, list[TrialData]], list[str]]:
                 missing.append(f"{arm} seed {seed} ({why})")
                 continue
             u = t.user_attrs
+            per_token = _num(u.get("flops_per_token"))
             curve = [tuple(float(x) for x in p) for p in u.get("curve", [])]
+            if per_token:
+                curve = [(*p[:4], p[2] * per_token) for p in curve]  # training FLOPs at index FLOPS_AXIS
             by_arm[arm].append(TrialData(arm, seed, u.get("status", "pruned" if t.state.name == "PRUNED" else "completed"),
                                          curve, _num(u.get("tokens_per_s")), _num(u.get("peak_mem_gb")), u.get("params"),
-                                         _num(u.get("param_overhead_pct")), u.get("device", ""), u.get("routing_backend", "")))
+                                         _num(u.get("param_overhead_pct")), u.get("device", ""), u.get("routing_backend", ""),
+                                         per_token))
     return by_arm, missing
 
 
+FLOPS_AXIS = 4  # a curve point's training FLOPs
+
+
 def interpolate(curve: list[tuple[float, ...]], axis: int, x: float) -> float:
-    """Validation loss at ``x`` along the curve's ``axis`` (0 = steps, 1 = seconds), linear between evaluations."""
+    """Validation loss at ``x`` along the curve's ``axis`` (0 = steps, 1 = seconds, 4 = FLOPs), linear
+    between evaluations."""
     pts = [(p[axis], p[3]) for p in curve]
     if x <= pts[0][0]:
         return pts[0][1]
@@ -146,6 +159,8 @@ def build_table(study) -> StudyTable:
                          (f"; missing: {', '.join(missing)}" if missing else ""))
     at_step = min(t.curve[-1][0] for t in usable)
     at_seconds = min(t.curve[-1][1] for t in usable)
+    # Equal FLOPs: the most every arm spent, when every trial recorded its count.
+    at_flops = min(t.curve[-1][FLOPS_AXIS] for t in usable) if all(t.flops_per_token for t in usable) else None
     base_name = attrs.get("baseline")
     base = trials.get(base_name, []) if base_name else []
     base_tps = [t.tokens_per_s for t in base if t.usable and t.tokens_per_s]
@@ -157,6 +172,8 @@ def build_table(study) -> StudyTable:
         if ok:
             row["loss_at_steps"] = _mean_std([interpolate(t.curve, 0, at_step) for t in ok])
             row["loss_at_time"] = _mean_std([interpolate(t.curve, 1, at_seconds) for t in ok])
+            if at_flops is not None:
+                row["loss_at_flops"] = _mean_std([interpolate(t.curve, FLOPS_AXIS, at_flops) for t in ok])
             tps = [t.tokens_per_s for t in ok if t.tokens_per_s]
             row["tokens_per_s"] = statistics.fmean(tps) if tps else None
             row["throughput_vs_baseline"] = (row["tokens_per_s"] / statistics.fmean(base_tps)) if tps and base_tps else None
@@ -167,8 +184,10 @@ def build_table(study) -> StudyTable:
             if base_name and arm != base_name:
                 row["delta_at_steps"] = _paired(ok, base, 0, at_step)
                 row["delta_at_time"] = _paired(ok, base, 1, at_seconds)
+                if at_flops is not None:
+                    row["delta_at_flops"] = _paired(ok, base, FLOPS_AXIS, at_flops)
         rows.append(row)
-    for col in ("loss_at_steps", "loss_at_time"):
+    for col in LOSS_COLUMNS:
         vals = [r[col][0] for r in rows if col in r]
         if vals:
             best = min(vals)
@@ -180,7 +199,8 @@ def build_table(study) -> StudyTable:
         # Not a contestant: no bold, no difference; the arms' Δ is against the baseline (plain) arm.
         start = _mean_std([float(v) for v in source.values()])
         rows.append({"arm": START_ROW, "n": len(source), "diverged": 0, "pruned": 0, "start": True,
-                     "loss_at_steps": start, "loss_at_time": start})
+                     "loss_at_steps": start, "loss_at_time": start,
+                     **({"loss_at_flops": start} if at_flops is not None else {})})
     devices = sorted({t.device for t in usable if t.device})
     # The routers that have a fused GPU kernel (plain-PyTorch variants, "pytorch", have nothing faster).
     backends = sorted({t.backend for t in usable if t.backend not in ("", "none", "pytorch")})
@@ -194,19 +214,23 @@ def build_table(study) -> StudyTable:
         note = (note + " " if note else "") + SHARED_NOTE
     return StudyTable(attrs.get("study", study.study_name), attrs.get("budget", ""), attrs.get("description", ""),
                       base_name, at_step, at_seconds, rows, missing, trials, attrs.get("curve_values", {}),
-                      attrs.get("curve"), ", ".join(devices), note, shared)
+                      attrs.get("curve"), ", ".join(devices), note, shared, at_flops)
 
 
 SHARED_NOTE = ("† Measured on a shared device: trials ran several at a time on one GPU (--trials-per-gpu), so the "
-               "equal-time and throughput columns measure the sharing too; the equal-step columns are unaffected.")
-SHARED_COLUMNS = (4, 5, 6)  # val loss @ T, its Δ, throughput: the columns that depend on speed
+               "equal-time and throughput columns measure the sharing too; the equal-step and equal-FLOPs columns "
+               "are unaffected.")
+SHARED_COLUMNS = (4, 5, 8)  # val loss @ T, its Δ, throughput: the columns that depend on speed
+LOSS_COLUMNS = ("loss_at_steps", "loss_at_time", "loss_at_flops")
+# The measure each budget is judged by: its own equal point.
+BUDGET_MEASURE = {"steps": "loss_at_steps", "wallclock": "loss_at_time", "flops": "loss_at_flops"}
 
 
 # --------------------------------------------------------------------------- rendering
 
 START_ROW = "start (source checkpoint)"
 HEADERS = ["arm", "n", "val loss @ {steps} steps", "Δ vs baseline", "val loss @ {time}", "Δ vs baseline",
-           "throughput vs baseline", "peak mem (GB)", "params Δ"]
+           "val loss @ {flops}", "Δ vs baseline", "throughput vs baseline", "peak mem (GB)", "params Δ"]
 
 
 def _fmt_time(s: float) -> str:
@@ -236,7 +260,8 @@ def _cells(table: StudyTable, row: dict[str, Any], bold) -> list[str]:
     n = f"{row['n']}" + (f" (+{row['diverged']} diverged)" if row["diverged"] else "") + (
         f" (+{row['pruned']} pruned)" if row["pruned"] else "")
     return [row["arm"], n, loss("loss_at_steps"), delta("delta_at_steps"), loss("loss_at_time"), delta("delta_at_time"),
-            f"{tvb:.2f}×" if tvb else "–", f"{mem:.1f}" if mem else "–", f"{pct:+.3f} %" if pct is not None else "–"]
+            loss("loss_at_flops"), delta("delta_at_flops"), f"{tvb:.2f}×" if tvb else "–", f"{mem:.1f}" if mem else "–",
+            f"{pct:+.3f} %" if pct is not None else "–"]
 
 
 class _Bold(str):
@@ -254,8 +279,13 @@ def latex_escape(text: str) -> str:
     return _LATEX_RE.sub(lambda m: _LATEX[m.group(0)], text)
 
 
+def _flops_label(table: StudyTable) -> str:
+    return format_flops(table.at_flops) if table.at_flops is not None else "equal FLOPs"
+
+
 def _headers(table: StudyTable) -> list[str]:
-    heads = [h.format(steps=int(table.at_step), time=_fmt_time(table.at_seconds)) for h in HEADERS]
+    heads = [h.format(steps=int(table.at_step), time=_fmt_time(table.at_seconds), flops=_flops_label(table))
+             for h in HEADERS]
     return [h + " †" if table.shared_device and i in SHARED_COLUMNS else h for i, h in enumerate(heads)]
 
 
@@ -268,6 +298,9 @@ def render(table: StudyTable, fmt: str) -> str:
         lines += ["| " + " | ".join(md(c) for c in _cells(table, r, _Bold)) + " |" for r in table.rows]
         lines += ["", "Mean ± std over seeds; Δ is the paired difference to the baseline arm with its 95 % "
                   "t-interval over seeds; bold marks the lowest loss in a column."]
+        if table.at_flops is not None:
+            lines.append("FLOPs are the theoretical training count per token (matrix multiplies, attention and the "
+                         "routing's own term; README, \"Training FLOPs\") times the tokens trained.")
         if any(r.get("start") for r in table.rows):
             lines.append(f"Continued pretraining: Δ is the gain over plain continued training (the {table.baseline} arm: "
                          "same start, data order, schedule and batches), not over the start; the start row is the "
@@ -294,14 +327,16 @@ def render(table: StudyTable, fmt: str) -> str:
         w.writerow(["arm", "n", "diverged", "loss_at_steps_mean", "loss_at_steps_std", "delta_at_steps", "delta_at_steps_ci95",
                     "loss_at_time_mean", "loss_at_time_std", "delta_at_time", "delta_at_time_ci95", "throughput_vs_baseline",
                     "tokens_per_s", "peak_mem_gb", "param_overhead_pct", "best_at_steps", "best_at_time", "at_step", "at_seconds",
-                    "shared_device"])
+                    "shared_device", "loss_at_flops_mean", "loss_at_flops_std", "delta_at_flops", "delta_at_flops_ci95",
+                    "best_at_flops", "at_flops"])
         for r in table.rows:
             ls, lt = r.get("loss_at_steps", (None, None)), r.get("loss_at_time", (None, None))
             ds, dt = r.get("delta_at_steps") or (None, None, 0), r.get("delta_at_time") or (None, None, 0)
+            lf, df = r.get("loss_at_flops", (None, None)), r.get("delta_at_flops") or (None, None, 0)
             w.writerow([r["arm"], r["n"], r["diverged"], *ls, ds[0], ds[1], *lt, dt[0], dt[1], r.get("throughput_vs_baseline"),
                         r.get("tokens_per_s"), r.get("peak_mem_gb"), r.get("param_overhead_pct"),
                         r.get("best_loss_at_steps", False), r.get("best_loss_at_time", False), table.at_step, table.at_seconds,
-                        table.shared_device])
+                        table.shared_device, *lf, df[0], df[1], r.get("best_loss_at_flops", False), table.at_flops])
         return buf.getvalue()
     if fmt == "json":
         def clean(v):
@@ -312,6 +347,7 @@ def render(table: StudyTable, fmt: str) -> str:
             return v
         return json.dumps({"study": table.name, "budget": table.budget, "description": table.description,
                            "baseline": table.baseline, "at_step": table.at_step, "at_seconds": table.at_seconds,
+                           "at_flops": table.at_flops,
                            "missing": table.missing, "note": table.backend_note, "shared_device": table.shared_device,
                            "rows": [{k: clean(v) for k, v in r.items()} for r in table.rows]}, indent=2) + "\n"
     raise UsageError(f"unknown format {fmt!r}: choose one of {', '.join(FORMATS)}")
@@ -337,8 +373,10 @@ def save_plots(table: StudyTable, folder: Path) -> list[Path]:
     written: list[Path] = []
     longest = max((t.curve[-1][1] for ts in table.trials.values() for t in ts if t.usable), default=1.0)
     scale, unit = _time_unit(longest)
-    for axis, fname, xlabel in ((0, "loss_vs_steps.png", "optimiser step"),
-                                (1, "loss_vs_time.png", f"training time ({unit})")):
+    axes = [(0, "loss_vs_steps.png", "optimiser step"), (1, "loss_vs_time.png", f"training time ({unit})")]
+    if table.at_flops is not None:
+        axes.append((FLOPS_AXIS, "loss_vs_flops.png", "training FLOPs"))
+    for axis, fname, xlabel in axes:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for arm, ts in table.trials.items():
             ok = [t for t in ts if t.usable]
@@ -354,7 +392,8 @@ def save_plots(table: StudyTable, folder: Path) -> list[Path]:
                 ax.fill_between(px, [min(c) for c in zip(*ys)], [max(c) for c in zip(*ys)], color=line.get_color(), alpha=0.15)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("validation loss")
-        ax.set_title(f"{table.name} ({table.budget} budget): loss per {'step' if axis == 0 else 'unit of training time'}")
+        per = {0: "step", 1: "unit of training time", FLOPS_AXIS: "training FLOP"}[axis]
+        ax.set_title(f"{table.name} ({table.budget} budget): loss per {per}")
         _zoom(ax, table)
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
@@ -365,7 +404,7 @@ def save_plots(table: StudyTable, folder: Path) -> list[Path]:
     if points:
         fig, ax = plt.subplots(figsize=(5.6, 4.0))
         rows = {r["arm"]: r for r in table.rows}
-        for col, label in (("loss_at_steps", f"at {int(table.at_step)} steps"), ("loss_at_time", f"at {_fmt_time(table.at_seconds)}")):
+        for col, label in _measures(table):
             arms = sorted((a for a in points if col in rows.get(a, {})), key=lambda a: points[a])
             if not arms:
                 continue
@@ -417,12 +456,49 @@ def export(study, fmt: str, folder: Path) -> tuple[str, list[Path]]:
     return text, [path, *save_plots(table, folder)]
 
 
+def _measures(table: StudyTable) -> list[tuple[str, str]]:
+    """(loss column, what it is) for each equal point the table has."""
+    out = [("loss_at_steps", f"at {int(table.at_step)} steps"), ("loss_at_time", f"at {_fmt_time(table.at_seconds)}")]
+    if table.at_flops is not None:
+        out.append(("loss_at_flops", f"at {format_flops(table.at_flops)}"))
+    return out
+
+
+def _ranked(table: StudyTable, col: str) -> list[dict[str, Any]]:
+    return sorted((r for r in table.rows if col in r and not r.get("start")), key=lambda r: r[col][0])
+
+
 def verdicts(tables: list[StudyTable]) -> str:
-    """When a study ran under both budgets: the best arm by each measure, side by side."""
+    """When a study ran under several budgets: the arms ranked by each measure of each, one line each."""
     lines = []
     for t in tables:
-        for col, what in (("loss_at_steps", f"at {int(t.at_step)} steps"), ("loss_at_time", f"at {_fmt_time(t.at_seconds)}")):
-            ranked = sorted((r for r in t.rows if col in r and not r.get("start")), key=lambda r: r[col][0])
+        for col, what in _measures(t):
+            ranked = _ranked(t, col)
             if ranked:
                 lines.append(f"{t.budget} budget, {what}: " + " < ".join(r["arm"] for r in ranked))
     return "\n".join(lines)
+
+
+def rankings(tables: list[StudyTable]) -> str:
+    """The ranking under each budget, side by side (markdown): one column per budget, judged at its own
+    equal point (steps at equal steps, wallclock at equal time, flops at equal FLOPs), best first, with
+    the mean loss and, for the other arms, the paired Δ to the baseline."""
+    columns = []
+    for t in tables:
+        col = BUDGET_MEASURE.get(t.budget)
+        label = dict(_measures(t)).get(col)
+        if label is None:
+            continue
+        cells = []
+        for r in _ranked(t, col):
+            d = r.get(col.replace("loss_", "delta_"))
+            cells.append(f"{r['arm']} {r[col][0]:.4f}" + (f" (Δ {d[0]:+.4f})" if d else ""))
+        columns.append((f"{t.budget} budget, {label}", cells))
+    if not columns:
+        return ""
+    depth = max(len(c) for _, c in columns)
+    head = ["rank", *(h for h, _ in columns)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for i in range(depth):
+        lines.append("| " + " | ".join([str(i + 1), *(c[i] if i < len(c) else "" for _, c in columns)]) + " |")
+    return "\n".join(lines) + "\n"

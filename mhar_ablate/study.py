@@ -17,6 +17,7 @@ input fails at once; a finished study reruns (and prints its table) even in a re
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import os
@@ -28,7 +29,7 @@ from typing import Any, Callable
 
 from . import __version__
 from . import storage as st
-from .config import RunConfig, build_config, find_resource, load_yaml, parse_duration
+from .config import BUDGETS, RunConfig, build_config, find_resource, load_yaml, parse_duration, parse_flops
 from .errors import UsageError
 from .io import check_writable_folder
 from .provenance import describe_differences, differences, environment
@@ -77,10 +78,10 @@ class StudyDefinition:
             raise UsageError(f"{path}: 'fixed' must map config keys to values, got {fixed!r}")
         budgets = data.get("budgets") or {}
         if not isinstance(budgets, dict):
-            raise UsageError(f"{path}: 'budgets' must map steps and/or wallclock to a length "
-                             f"(like {{steps: 150, wallclock: 15s}}), got {budgets!r}")
-        if set(budgets) - {"steps", "wallclock"}:
-            raise UsageError(f"{path}: budgets may only set steps and wallclock")
+            raise UsageError(f"{path}: 'budgets' must map steps, wallclock and/or flops to a length "
+                             f"(like {{steps: 150, wallclock: 15s, flops: 1e15}}), got {budgets!r}")
+        if set(budgets) - set(BUDGETS):
+            raise UsageError(f"{path}: budgets may only set {', '.join(BUDGETS)}")
         if "steps" in budgets and (isinstance(budgets["steps"], bool) or not isinstance(budgets["steps"], int)
                                    or budgets["steps"] < 1):
             raise UsageError(f"{path}: budgets.steps must be a positive integer, got {budgets['steps']!r}")
@@ -89,6 +90,11 @@ class StudyDefinition:
                 parse_duration(budgets["wallclock"])
             except UsageError as e:
                 raise UsageError(f"{path}: budgets.wallclock: {e}") from None
+        if "flops" in budgets:
+            try:
+                parse_flops(budgets["flops"])
+            except UsageError as e:
+                raise UsageError(f"{path}: budgets.flops: {e}") from None
         baseline = data.get("baseline")
         if baseline is not None and baseline not in arms:
             raise UsageError(f"{path}: baseline arm {baseline!r} is not one of the arms")
@@ -114,7 +120,7 @@ class StudyDefinition:
     def source_config(self, seed: int, overrides: dict[str, Any]) -> RunConfig:
         """The source stage's config at ``seed``: the study's fixed settings, the source's own, and the
         command line's except the budget (which is the continuation's: the source has its own length)."""
-        over = {k: v for k, v in overrides.items() if k not in ("train.budget", "train.steps", "train.time")}
+        over = {k: v for k, v in overrides.items() if k not in ("train.budget", "train.steps", "train.time", "train.flops")}
         try:
             cfg = build_config(overrides={**over, "seed": seed}, base={**self.fixed, **(self.source or {})})
         except UsageError as e:
@@ -133,9 +139,12 @@ class StudyDefinition:
     def arm_config(self, arm: str, seed: int, budget: str, overrides: dict[str, Any]) -> RunConfig:
         base = {**self.fixed, **self.arms[arm]}
         over = {**overrides, "seed": seed, "train.budget": budget}
-        # The study's default budget length applies unless the command line set one.
-        if budget == "steps" and "train.steps" not in over and "steps" in self.budgets:
+        # The study's default budget length applies unless the command line set one. Under the flops budget
+        # train.steps is the baseline's step count that sets the default F (StudyRun.resolve_flops).
+        if budget in ("steps", "flops") and "train.steps" not in over and "steps" in self.budgets:
             over["train.steps"] = self.budgets["steps"]
+        if budget == "flops" and "train.flops" not in over and "flops" in self.budgets:
+            over["train.flops"] = parse_flops(self.budgets["flops"])
         if budget == "wallclock" and "train.time" not in over and "wallclock" in self.budgets:
             over["train.time"] = parse_duration(self.budgets["wallclock"])
         try:
@@ -194,6 +203,37 @@ class StudyRun:
                 cfg.train.first_batch = src.train.steps
         return configs
 
+    def resolve_flops(self, configs: dict[tuple[str, int], RunConfig], vocabs: dict[tuple[str, int], int]) -> None:
+        """Under the flops budget, every grid point's ``train.flops`` and the steps it buys that arm
+        (``train.steps``), in place. F is the command line's (--flops), else the study's ``budgets.flops``,
+        else what the baseline arm spends in its ``train.steps`` (the study's ``budgets.steps`` or
+        --steps): the baseline then trains exactly those steps and every other arm as many as the same
+        FLOPs buy it."""
+        if self.budget != "flops":
+            return
+        from .model.flops import training_flops_per_token
+        from .training.budget import flops_budget_steps
+
+        def per_step(point: tuple[str, int]) -> float:
+            cfg = configs[point]
+            return (training_flops_per_token(cfg, cfg.model.vocab_size or vocabs[point])
+                    * cfg.train.batch_size * cfg.model.seq_len)
+
+        default = None
+        if any(cfg.train.flops is None for cfg in configs.values()):
+            base = self.definition.baseline
+            if base is None:
+                raise UsageError(f"study {self.definition.name!r} has no baseline arm to set its FLOPs budget from: "
+                                 "give --flops F, or budgets.flops in the study file")
+            default = per_step((base, 0)) * configs[(base, 0)].train.steps
+        for (arm, seed), cfg in configs.items():
+            if cfg.train.flops is None:
+                cfg.train.flops = default
+            try:
+                cfg.train.steps = flops_budget_steps(cfg.train.flops, per_step((arm, seed)))
+            except UsageError as e:
+                raise UsageError(f"arm {arm!r}: {e}") from None
+
     def source_configs(self) -> dict[int, RunConfig]:
         if self.definition.source is None:
             return {}
@@ -201,8 +241,10 @@ class StudyRun:
 
     def fingerprint(self, configs: dict[tuple[str, int], RunConfig]) -> str:
         """Identity of what the study measures: the arms' configs minus the seed."""
-        # train.devices=1 is left out so that studies from before the key existed keep their identity.
-        per_arm = {arm: {k: v for k, v in cfg.flat().items() if k != "seed" and (k, v) != ("train.devices", 1)}
+        # train.devices=1 and train.flops=None are left out so that studies from before the keys existed keep
+        # their identity.
+        per_arm = {arm: {k: v for k, v in cfg.flat().items()
+                         if k != "seed" and (k, v) not in (("train.devices", 1), ("train.flops", None))}
                    for (arm, seed), cfg in configs.items() if seed == 0}
         extra = {"tune": self.tune}
         return hashlib.sha256(json.dumps([per_arm, extra], sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -372,6 +414,7 @@ def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = _log) -> dic
     slots = plan(sr.workers, devices, sr.trials_per_gpu, sr.budget)  # fits the machine, or one line why not
     # Cached once here, before any worker starts (the source stage's corpus too).
     corpora, vocabs = check_data(configs, sr.output / "cache", extra=sr.source_configs().values())
+    sr.resolve_flops(configs, vocabs)  # the flops budget's steps per arm depend on the vocabulary
     fingerprint = sr.fingerprint(configs)
     grid = sr.grid()
     if sr.output.exists() and not sr.output.is_dir():
@@ -457,7 +500,7 @@ def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = _log) -> dic
         first = configs[grid[0]]
         log(f"study {sr.key}: {len(grid) - len(done)} of {len(grid)} grid points to train "
             f"({len(sr.definition.arms)} arms x {sr.seeds} seeds, {first.train.budget} budget: "
-            f"{_budget_text(first)}); storage {redact(url)}"
+            f"{_budget_text(first, configs)}); storage {redact(url)}"
             + (f"; {len(slots)} workers" if len(slots) > 1 else "") + (f", {devices} devices per trial" if devices > 1 else ""))
         for text in corpora:
             log(f"data: {text}")
@@ -623,9 +666,14 @@ def check_data(configs: dict[tuple[str, int], RunConfig], cache: Path,
     return list(dict.fromkeys(d for d, _ in seen.values())), vocabs
 
 
-def _budget_text(cfg: RunConfig) -> str:
+def _budget_text(cfg: RunConfig, configs: dict[tuple[str, int], RunConfig] | None = None) -> str:
+    from .config import format_flops
     from .training.budget import format_seconds
 
+    if cfg.train.budget == "flops":
+        steps = {arm: c.train.steps for (arm, seed), c in (configs or {}).items() if seed == 0}
+        return f"{format_flops(cfg.train.flops)} each" + (
+            f", which buy {', '.join(f'{arm} {n}' for arm, n in steps.items())} steps" if steps else "")
     return f"{cfg.train.steps} steps" if cfg.train.budget == "steps" else f"{format_seconds(cfg.train.time)} each"
 
 
@@ -637,6 +685,7 @@ def _record(trial, result: dict[str, Any]) -> None:
         "final_val_loss": result["final_val_loss"], "final_step": result["step"], "final_seconds": result["seconds"],
         "curve": curve, "tokens_per_s": result["tokens_per_s"], "peak_mem_gb": result["peak_mem_gb"],
         "params": result["params"], "baseline_params": result["baseline_params"],
+        "flops_per_token": result.get("flops_per_token"),
         "param_overhead_pct": result["param_overhead_pct"], "device": result["device"],
         "routing_backend": result["routing_backend"], "environment": result.get("environment"),
     }
@@ -655,13 +704,22 @@ def _finite_or_str(v: Any) -> Any:
     return v
 
 
-def _pruning_reporter(trial, budget: str) -> Callable[[int, float, float], bool]:
-    """Report at the global step (step budgets) or at whole training seconds (wall-clock budgets):
-    Optuna's stock Lightning callback reports per epoch, which means nothing here."""
+def _pruning_reporter(trial, budget: str, cfg: RunConfig | None = None) -> Callable[[int, float, float], bool]:
+    """Report at the global step (step budgets), at whole training seconds (wall-clock budgets) or, under
+    a FLOPs budget (where arms train different step counts), at the nominal point of the evaluation in
+    per mille of the budget: the k-th of ``train.eval_every`` evaluations is at 1000·k/eval_every for every
+    arm (``cfg``: the run's config, its ``train.steps`` resolved). Optuna's stock Lightning callback
+    reports per epoch, which means nothing here."""
     seen: set[int] = set()
 
+    def at_point(step: int, seconds: float) -> int:
+        if budget == "flops":
+            every = cfg.train.eval_every
+            return 1000 * min(step * every // cfg.train.steps, every) // every
+        return step if budget == "steps" else int(seconds)
+
     def report(step: int, seconds: float, loss: float) -> bool:
-        at = step if budget == "steps" else int(seconds)
+        at = at_point(step, seconds)
         if at in seen or at == 0:
             return False
         seen.add(at)
@@ -695,7 +753,7 @@ def tune_arms(sr: StudyRun, configs, storage, log, stop, url: str | None = None)
             for k, v in st.owner_attrs().items():
                 trial.set_user_attr(k, v)
             lr = trial.suggest_float("lr", base.optim.lr / 10, base.optim.lr * 10, log=True)
-            cfg = sr.definition.arm_config(arm, 0, sr.budget, sr.overrides)
+            cfg = copy.deepcopy(base)  # the grid's own config: a flops budget's steps are resolved in it
             cfg.optim.lr = lr
             run_dir = under_output(sr.output, trial.user_attrs.get("run_dir"),
                                    sr.folder / "tune" / f"{arm.replace(':', '')}-t{trial.number}")
@@ -725,7 +783,7 @@ def load_studies(output: Path, name: str, budget: str | None, storage: str | Non
     SQLite file or journal that holds them."""
     import optuna
 
-    budgets = [budget] if budget else ["steps", "wallclock"]
+    budgets = [budget] if budget else list(BUDGETS)
     if not storage and not st.local_candidates(output) and not any(st.recorded(output, f"{name}-{b}") for b in budgets):
         open_storage(st.sqlite_url(output), create=False)  # raises: no study database here
     found, names = [], set()

@@ -9,7 +9,7 @@ earlier one running or finished and drops its own (``surplus``) before training 
 
 Fairness: under ``--budget wallclock`` every worker has its own GPU (or its own CPU cores), because a
 trial that shares a device measures the other one too. ``--trials-per-gpu K`` lets K trials share one GPU
-under ``--budget steps``, where speed does not change the result; such trials are marked
+under ``--budget steps`` or ``flops``, where speed does not change the result; such trials are marked
 ``shared_device`` and the export says that their equal-time and throughput columns were measured on a
 shared device.
 """
@@ -61,7 +61,7 @@ def plan(workers: str | int, devices: int, trials_per_gpu: int, budget: str,
     if trials_per_gpu < 1:
         raise UsageError(f"--trials-per-gpu must be at least 1, got {trials_per_gpu}")
     if trials_per_gpu > 1 and budget == "wallclock":
-        raise UsageError("--trials-per-gpu applies to --budget steps only: under a wall-clock budget, trials sharing a "
+        raise UsageError("--trials-per-gpu applies to --budget steps and flops only: under a wall-clock budget, trials sharing a "
                          "GPU would slow each other down and the equal-time comparison would measure that")
     if trials_per_gpu > 1 and devices > 1:
         raise UsageError("--trials-per-gpu shares one GPU between trials; it cannot be combined with --devices N")
@@ -84,7 +84,7 @@ def plan(workers: str | int, devices: int, trials_per_gpu: int, budget: str,
                              + (f" at --trials-per-gpu {trials_per_gpu}" if trials_per_gpu > 1 else "")
                              + f"; {len(gpus)} visible here"
                              + ("" if trials_per_gpu > 1 or budget == "wallclock" else
-                                " (under --budget steps, --trials-per-gpu K lets K trials share a GPU)"))
+                                " (under --budget steps or flops, --trials-per-gpu K lets K trials share a GPU)"))
         per = len(cores) // n if n > 1 else 0
         slots = []
         for i in range(n):
@@ -246,7 +246,7 @@ def work(sr, study, configs, tuned: dict[str, float], slot: Slot, log: Callable[
         title = f"[{done_count() + 1}/{len(grid)}] {arm} s{seed}: "
         if "failed_trial" in _system_attrs(study, trial):
             log(f"{title}resuming from the checkpoint of a worker that died")
-        on_eval = _pruning_reporter(trial, sr.budget) if sr.prune else None
+        on_eval = _pruning_reporter(trial, sr.budget, cfg) if sr.prune else None
         try:
             result = train_run(cfg, run_dir, cache, resume=True, on_eval=on_eval, log=log, title=title, stop=stop,
                                position=1, log_evals=False, allow_version_change=sr.allow_version_change)

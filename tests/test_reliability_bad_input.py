@@ -134,7 +134,7 @@ def study_file(tmp_path: Path, body: str) -> Path:
 
 @pytest.mark.parametrize("body,needle", [
     ("arms: {a: 5}\n", "arm 'a' must map config keys to values"),
-    ("arms: {a: {residual.kind: baseline}}\nbudgets: [steps]\n", "'budgets' must map steps and/or wallclock"),
+    ("arms: {a: {residual.kind: baseline}}\nbudgets: [steps]\n", "'budgets' must map steps, wallclock and/or flops"),
     ("arms: {a: {residual.kind: baseline}}\nbudgets: {steps: -4}\n", "budgets.steps must be a positive integer"),
     ("arms: {a: {residual.kind: baseline}}\nfixed: [1]\n", "'fixed' must map config keys"),
     ("arms: {a: {residual.kind: baseline}}\nseeds: true\n", "seeds must be a positive integer"),

@@ -226,7 +226,7 @@ def test_workers_must_fit_the_machine_and_wallclock_trials_never_share():
     for args, needle in [((3, 1, 1, "steps", [], [0, 1]), "need a CPU core each"),
                          ((1, 2, 1, "steps", [], [0]), "need a CPU core each"),
                          ((2, 1, 1, "steps", ["0"], [0, 1]), "needs 2 GPUs"),
-                         ((2, 1, 2, "wallclock", ["0"], [0, 1]), "--budget steps only"),
+                         ((2, 1, 2, "wallclock", ["0"], [0, 1]), "--budget steps and flops only"),
                          (("gpus", 1, 1, "steps", [], [0, 1]), "no GPU is visible"),
                          ((1, 2, 1, "steps", ["0"], [0, 1]), "needs 2 GPUs")]:
         with pytest.raises(UsageError, match=needle):
@@ -235,7 +235,7 @@ def test_workers_must_fit_the_machine_and_wallclock_trials_never_share():
 
 @pytest.mark.parametrize("args,needle", [
     (["--workers", "64"], "need a CPU core each"),
-    (["--budget", "wallclock", "--trials-per-gpu", "2"], "--budget steps only"),
+    (["--budget", "wallclock", "--trials-per-gpu", "2"], "--budget steps and flops only"),
     (["--workers", "many"], "a number or 'gpus'"),
     (["--devices", "3"], "divisible by train.devices"),
 ])

@@ -1,4 +1,10 @@
-"""Equal-step and equal-wall-clock budgets, and the clock that only counts training.
+"""Equal-step, equal-wall-clock and equal-FLOPs budgets, and the clock that only counts training.
+
+A FLOPs budget F is a step budget whose length each variant buys with its own cost: the run trains
+floor(F / FLOPs per step) steps, FLOPs per step = FLOPs per token (``model/flops.py``) x tokens per step,
+so a routed arm, which costs more per token, trains fewer steps than the baseline. Like a step budget
+it does not depend on the machine. Its progress is FLOPs done / F, with F rounded down to whole steps
+(= step / steps), so its schedule ends fully decayed on the last step.
 
 A wall-clock budget is a fixed amount of *training* time: the clock runs only over consecutive optimiser
 steps (on a GPU, between CUDA events, read without stalling the device), so validation, checkpointing,
@@ -9,26 +15,50 @@ drives the learning-rate schedule, so a wall-clock run ends fully decayed instea
 from __future__ import annotations
 
 import time
+import math
 from dataclasses import dataclass
 
 import torch
 
+from ..config import format_flops
+from ..errors import UsageError
+
 
 @dataclass(frozen=True)
 class Budget:
-    kind: str  # steps | wallclock
-    steps: int
+    kind: str  # steps | wallclock | flops
+    steps: int  # under a flops budget: the steps its FLOPs buy (flops_budget_steps)
     seconds: float
+    flops: float | None = None  # the flops budget's F
+    flops_per_step: float | None = None  # this run's training FLOPs per optimiser step
+
+    @property
+    def counts_steps(self) -> bool:
+        """Whether the budget ends at a step count (steps, and flops through the steps its FLOPs buy)."""
+        return self.kind != "wallclock"
 
     def progress(self, step: int, seconds: float) -> float:
-        p = step / self.steps if self.kind == "steps" else seconds / self.seconds
+        p = step / self.steps if self.counts_steps else seconds / self.seconds
         return min(max(p, 0.0), 1.0)
 
     def exhausted(self, step: int, seconds: float) -> bool:
-        return step >= self.steps if self.kind == "steps" else seconds >= self.seconds
+        return step >= self.steps if self.counts_steps else seconds >= self.seconds
 
     def describe(self) -> str:
+        if self.kind == "flops":
+            return f"{format_flops(self.flops)} ({self.steps} steps of {format_flops(self.flops_per_step)})"
         return f"{self.steps} steps" if self.kind == "steps" else f"{format_seconds(self.seconds)} of training time"
+
+
+def flops_budget_steps(flops: float | None, flops_per_step: float, where: str = "train.flops") -> int:
+    """The optimiser steps a FLOPs budget buys at ``flops_per_step``: floor(F / FLOPs per step), at least one."""
+    if flops is None:
+        raise UsageError("train.budget=flops needs its length: --flops F (like 3e15 or 3P) or train.flops=F")
+    steps = math.floor(flops / flops_per_step * (1 + 1e-12))  # F set to k steps' FLOPs buys k steps despite rounding
+    if steps < 1:
+        raise UsageError(f"{where}={flops:g} is less than one training step of this model ({format_flops(flops_per_step)} "
+                         f"per step): give at least {flops_per_step:.3g}")
+    return steps
 
 
 def format_seconds(s: float) -> str:

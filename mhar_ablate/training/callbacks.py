@@ -3,7 +3,9 @@ checkpoints), the TensorBoard series that a study compares, and a progress bar.
 
 TensorBoard conventions (the README lists them): ``*/loss`` tags use the optimiser step as their step;
 ``*/loss_per_hour`` tags use whole training seconds as their step and are written with a wall time of
-(run origin + training seconds), so TensorBoard's "Relative" horizontal axis reads as training hours.
+(run origin + training seconds), so TensorBoard's "Relative" horizontal axis reads as training hours;
+``val/loss_per_gflop`` uses whole training GFLOPs (model/flops.py's count) as its step, which fits
+TensorBoard's integer steps at any model size.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import lightning as L
 import torch
 from tqdm.auto import tqdm
 
+from ..config import format_flops
 from ..io import commit, raise_if_no_space
 from . import distributed
 from .budget import Budget, format_seconds
@@ -202,6 +205,7 @@ class BudgetCallback(L.Callback):
             writer.add_scalar("val/loss", loss, step)
             writer.add_scalar("val/loss_per_hour", loss, int(round(seconds)), walltime=self.origin + seconds)
             writer.add_scalar("val/loss_per_token", loss, step * self.tokens_per_step)
+            writer.add_scalar("val/loss_per_gflop", loss, int(round(step * self.tokens_per_step * self.flops_per_token / 1e9)))
         final = self.budget.exhausted(step, seconds)
         if writer is not None and (final or (len(self.curve) - 1) % self.heatmap_every == 0):
             self._heatmap(writer, module, step)
@@ -226,6 +230,9 @@ class BudgetCallback(L.Callback):
     def _remaining(self, step: int, seconds: float) -> str:
         if self.budget.kind == "steps":
             return f"{max(self.budget.steps - step, 0)} steps left"
+        if self.budget.kind == "flops":
+            left = max(self.budget.steps - step, 0)
+            return f"{left} steps ({format_flops(left * self.budget.flops_per_step)}) left"
         return f"{format_seconds(max(self.budget.seconds - seconds, 0))} left"
 
     def _save(self, trainer: L.Trainer) -> None:
@@ -266,8 +273,8 @@ class ProgressBar(L.Callback):
         self._drawn = 0.0
 
     def on_train_start(self, trainer, module: LMModule) -> None:
-        total = self.budget.steps if self.budget.kind == "steps" else round(self.budget.seconds)
-        unit = "step" if self.budget.kind == "steps" else "s"
+        total = self.budget.steps if self.budget.counts_steps else round(self.budget.seconds)
+        unit = "step" if self.budget.counts_steps else "s"
         self.bar = tqdm(total=total, desc=self.desc, unit=unit, leave=False, position=self.position,
                         dynamic_ncols=True, file=sys.stderr, mininterval=0.5, disable=not sys.stderr.isatty())
         self._update(trainer, module)
@@ -282,8 +289,8 @@ class ProgressBar(L.Callback):
             return
         self._drawn = time.monotonic()
         seconds = module.clock.estimate()
-        done = trainer.global_step if self.budget.kind == "steps" else min(seconds, self.budget.seconds)
-        self.bar.n = round(done) if self.budget.kind == "wallclock" else done
+        done = trainer.global_step if self.budget.counts_steps else min(seconds, self.budget.seconds)
+        self.bar.n = round(done) if not self.budget.counts_steps else done
         post = {}
         if module.last_loss is not None:
             post["loss"] = f"{module.last_loss:.3f}"

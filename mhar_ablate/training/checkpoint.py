@@ -46,8 +46,11 @@ def read_checkpoint(path: Path, mmap: bool = False) -> dict[str, Any]:
 
 
 def identity(cfg: RunConfig) -> dict[str, Any]:
-    """What makes two runs the same run: every setting except those in ``NOT_IDENTITY``."""
-    return {k: v for k, v in cfg.flat().items() if k not in NOT_IDENTITY}
+    """What makes two runs the same run: every setting except those in ``NOT_IDENTITY``, and under the
+    flops budget ``train.steps``, which follows from ``train.flops`` and the shape (a run folder written
+    before its steps were resolved, by ``convert``, is still this run)."""
+    skip = NOT_IDENTITY + (("train.steps",) if cfg.train.budget == "flops" else ())
+    return {k: v for k, v in cfg.flat().items() if k not in skip}
 
 
 def identity_differences(recorded: dict[str, Any], cfg: RunConfig, ignore: tuple[str, ...] = ()) -> list[str]:

@@ -31,7 +31,8 @@ class LMModule(L.LightningModule):
         self.cfg = cfg
         torch.manual_seed(cfg.seed)  # the initial weights are a function of the seed only
         self.model = Decoder(cfg.model, cfg.residual, vocab_size)
-        self.budget = Budget(cfg.train.budget, cfg.train.steps, cfg.train.time)
+        # Under the flops budget train.steps holds the steps its FLOPs buy (run.resolve_flops_budget).
+        self.budget = Budget(cfg.train.budget, cfg.train.steps, cfg.train.time, cfg.train.flops)
         self.clock = TrainingClock()
         self.autocast_dtype = autocast
         self._loss = make_loss(self.model, None)

@@ -37,7 +37,8 @@ from ..io import human_bytes, require_free_space, write_json, write_text
 from ..model import routing_overhead
 from ..provenance import describe_differences, differences, environment
 from . import distributed
-from .budget import Budget, format_seconds
+from ..model.flops import training_flops_per_token
+from .budget import Budget, flops_budget_steps, format_seconds
 from .callbacks import BudgetCallback, ProgressBar
 from .checkpoint import (CHECKPOINT, RECORD, check_fits, checkpoint_bytes, identity, identity_differences,
                          read_checkpoint, record_of, resume_point)
@@ -136,12 +137,12 @@ def check_versions(record: dict[str, Any], path: Path) -> None:
                          "rerun with --allow-version-change to continue it under these versions")
 
 
-def flops_per_token(cfg: RunConfig, params: int) -> float:
-    """Training FLOPs per token as nanoGPT and PaLM count them: 6 per parameter, plus attention's scores
-    and weighted sum, 12 * layers * heads * head_dim * sequence length."""
-    head_dim = cfg.model.head_dim or cfg.model.d_model // cfg.model.n_heads
-    attn = 12 * cfg.model.n_layers * cfg.model.n_heads * head_dim * cfg.model.seq_len
-    return 6.0 * params + attn
+def resolve_flops_budget(cfg: RunConfig, vocab: int) -> None:
+    """Under the flops budget, set ``train.steps`` to the steps ``train.flops`` buys this run (the count
+    of ``model/flops.py`` at its tokens per step): the run's config.yaml then records them."""
+    if cfg.train.budget == "flops":
+        per_step = training_flops_per_token(cfg, vocab) * cfg.train.batch_size * cfg.model.seq_len
+        cfg.train.steps = flops_budget_steps(cfg.train.flops, per_step)
 
 
 def autocast_for(cfg: RunConfig) -> torch.dtype | None:
@@ -235,7 +236,7 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
         return prepared
     dm, vocab, state, info = prepared
     ckpt = run_dir / CHECKPOINT
-    budget, tokens_per_step, params = info["budget"], info["tokens_per_step"], info["params"]
+    budget, tokens_per_step = info["budget"], info["tokens_per_step"]
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     if cfg.train.compile:
         use_compile_cache(cache_dir)
@@ -252,7 +253,7 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
 
         load_initial(module.model, read_state_dict(cfg.train.init), f"train.init={cfg.train.init}")
     budget_cb = BudgetCallback(budget, cfg.train.eval_every, cfg.train.heatmap_every, dm.val_dataloader, ckpt,
-                               tokens_per_step, flops_per_token(cfg, params), on_eval=on_eval if lead else None,
+                               tokens_per_step, info["flops_per_token"], on_eval=on_eval if lead else None,
                                stop=stop if lead else None, log=log if log_evals and lead else None, title=title,
                                checkpoint_every=cfg.train.checkpoint_every, log_every=cfg.train.log_every)
     ddp = cfg.train.devices > 1
@@ -266,7 +267,7 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
         # off: each rank slices the global batch itself).
         accelerator="auto", devices=cfg.train.devices, strategy="ddp" if ddp else "auto", use_distributed_sampler=False,
         precision="32-true", logger=logger, callbacks=[record_cb, budget_cb, bar] if lead else [budget_cb],
-        max_steps=cfg.train.steps if budget.kind == "steps" else -1, max_epochs=-1,
+        max_steps=budget.steps if budget.counts_steps else -1, max_epochs=-1,
         enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1_000_000,
     )
@@ -330,6 +331,7 @@ def _prepare(cfg: RunConfig, run_dir: Path, cache_dir: Path, resume: bool, log, 
     if vocab < dm.vocab_size:
         raise UsageError(f"model.vocab_size={vocab} is smaller than the tokenizer's {dm.vocab_size} tokens")
     params, base_params, overhead = routing_overhead(cfg.model, cfg.residual, vocab)
+    resolve_flops_budget(cfg, vocab)  # before the folder's run is compared with this one, or config.yaml written
     ckpt = run_dir / CHECKPOINT
     if cfg.train.init and not (resume and ckpt.is_file()) and not Path(cfg.train.init).is_file():
         raise UsageError(f"train.init: no such file: {cfg.train.init}")
@@ -348,8 +350,10 @@ def _prepare(cfg: RunConfig, run_dir: Path, cache_dir: Path, resume: bool, log, 
                 check_fits(state, cfg, vocab, ckpt)
                 if not allow_version_change:
                     check_versions(record_of(state), ckpt)
-    budget = Budget(cfg.train.budget, cfg.train.steps, cfg.train.time)
-    info = dict(cfg=cfg, budget=budget, tokens_per_step=cfg.train.batch_size * cfg.model.seq_len, params=params,
+    tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
+    per_token = training_flops_per_token(cfg, vocab)
+    budget = Budget(cfg.train.budget, cfg.train.steps, cfg.train.time, cfg.train.flops, per_token * tokens_per_step)
+    info = dict(cfg=cfg, budget=budget, tokens_per_step=tokens_per_step, params=params, flops_per_token=per_token,
                 base_params=base_params, overhead=overhead, dm=dm, started=time.time())
     record = record_of(state) if state is not None else {}
     if lead and record.get("status") == "completed" and not distributed.inside_rank():
@@ -386,7 +390,8 @@ def _run_mode(module: LMModule, budget_cb: BudgetCallback) -> dict[str, Any]:
 
 def _result(status: str, reason: str, step: int, seconds: float, curve: list[dict[str, float]],
             peak_mem_gb: float | None, weights, run_mode: dict[str, Any], *, cfg: RunConfig, budget: Budget,
-            tokens_per_step: int, params: int, base_params: int, overhead: float, dm, started: float) -> dict[str, Any]:
+            tokens_per_step: int, params: int, flops_per_token: float, base_params: int, overhead: float, dm,
+            started: float) -> dict[str, Any]:
     result = {
         "status": status,
         "reason": reason,
@@ -396,6 +401,9 @@ def _result(status: str, reason: str, step: int, seconds: float, curve: list[dic
         "step": step,
         "seconds": seconds,
         "tokens": step * tokens_per_step,
+        # Training FLOPs by model/flops.py's count: the flops budget's measure, and the export's FLOPs axis.
+        "flops_per_token": flops_per_token,
+        "flops": step * tokens_per_step * flops_per_token,
         "final_val_loss": curve[-1]["val_loss"] if curve else math.nan,
         "curve": curve,
         "tokens_per_s": (step * tokens_per_step / seconds) if seconds else None,

@@ -15,7 +15,8 @@ A variant is one module: its class implements ``Residual`` and carries, as class
 rest of the package asks of a kind without building a model: its settings (a small dataclass whose
 fields are the ``residual.<kind>.<name>`` keys), the shared ``residual.*`` keys it reads, its check of
 the configuration, its label in run names and tables, whether it has a fused GPU path, whether it
-records depth weights, and the rows it adds to ``mhar-ablate bench model``. ``RESIDUALS`` below is the one
+records depth weights, its own training FLOPs per token (``routing_flops``, which the flops budget
+counts), and the rows it adds to ``mhar-ablate bench model``. ``RESIDUALS`` below is the one
 list of kinds: the configuration, the command line, studies, results, export and ``bench model`` read it.
 """
 
@@ -55,6 +56,15 @@ class Residual(nn.Module):
     def backend_name(cls, cfg: Any, cuda: bool) -> str:
         """What computes the routing, for results (``routing_backend``): plain PyTorch unless fused."""
         return "pytorch"
+
+    @classmethod
+    def routing_flops(cls, cfg: Any, model: Any) -> float:
+        """Training FLOPs per token of the variant's own computation (``cfg``: ResidualConfig, ``model``:
+        ModelConfig), on top of the decoder's (``model/flops.py``). Counted as the decoder is: 2 FLOPs per
+        multiply-add of every weighted sum and projection, times 3 for a training step (the backward pass
+        takes twice the forward's, a gradient for each operand); norms, softmaxes, gates and additions of
+        whole streams are left out, as the decoder's count leaves out its own. The baseline adds nothing."""
+        return 0.0
 
     @classmethod
     def bench_variants(cls) -> dict[str, dict[str, str]]:

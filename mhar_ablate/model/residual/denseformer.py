@@ -73,6 +73,14 @@ class DenseFormerResidual(Residual):
         s = cfg.settings("denseformer")
         return "denseformer" + (f"-{s.dilation}x{s.period}" if (s.dilation, s.period) != (1, 1) else "")
 
+    @classmethod
+    def routing_flops(cls, cfg: Any, model: Any) -> float:
+        """Each DWA (after block i, every p-th) averages the i // k + 1 kept block outputs: d multiply-adds
+        per token each, times 2 FLOPs and 3 for training."""
+        s = cfg.settings("denseformer")
+        kept = sum(i // s.dilation + 1 for i in range(s.period, model.n_layers + 1, s.period))
+        return 6.0 * model.d_model * kept
+
     def __init__(self, cfg: Any, model: Any):
         super().__init__()
         s = cfg.settings("denseformer")

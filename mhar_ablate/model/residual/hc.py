@@ -109,6 +109,17 @@ class HyperConnections(Residual):
     def bench_variants(cls) -> dict[str, dict[str, str]]:
         return {"hc": {}, "hc-static": {"residual.hc.dynamic": "false"}}
 
+    @classmethod
+    def routing_flops(cls, cfg: Any, model: Any) -> float:
+        """Per sublayer, multiply-adds per token: the read A_m^T H (n·d), the streams' mix A_r^T H (n²·d),
+        the output written into each stream B^T out (n·d) and, dynamic, the projection H̄ W (n·d·(n + 2));
+        times 2 FLOPs and 3 for training, over the 2L sublayers. The final sum of the streams is an
+        addition, not counted."""
+        s = cfg.settings("hc")
+        n, d = s.rate, model.d_model
+        macs = n * d + n * n * d + n * d + (n * d * (n + 2) if s.dynamic else 0)
+        return 6.0 * macs * 2 * model.n_layers
+
     def __init__(self, cfg: Any, model: Any):
         super().__init__()
         s = cfg.settings("hc")

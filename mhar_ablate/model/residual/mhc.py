@@ -119,6 +119,16 @@ class ManifoldHyperConnections(Residual):
         return f"mhc-n{s.rate}" + (f"-t{s.sinkhorn_iters}" if s.sinkhorn_iters != 20 else "") + (
             f"-g{s.gate_init:g}" if s.gate_init != 0.01 else "")
 
+    @classmethod
+    def routing_flops(cls, cfg: Any, model: Any) -> float:
+        """Per sublayer, multiply-adds per token: the maps' projection x̃ φ (n·d·(2n + n²)), the read
+        H_pre x (n·d), the mix H_res x (n²·d) and the write H_post^T F(h) (n·d); times 2 FLOPs and 3 for
+        training, over the 2L sublayers. Sinkhorn-Knopp's normalisations of the n x n matrix and the
+        sigmoids are pointwise and, like every norm, not counted."""
+        n, d = cfg.settings("mhc").rate, model.d_model
+        macs = n * d * (2 * n + n * n) + n * d + n * n * d + n * d
+        return 6.0 * macs * 2 * model.n_layers
+
     def __init__(self, cfg: Any, model: Any):
         super().__init__()
         s = cfg.settings("mhc")

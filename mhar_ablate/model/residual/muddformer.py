@@ -65,18 +65,40 @@ class MUDDFormerResidual(Residual):
     def label(cls, cfg: Any) -> str:
         return "muddformer" if cfg.settings("muddformer").multiway else "muddformer-oneway"
 
+    @staticmethod
+    def ways_of(multiway: bool, n_layers: int) -> list[int]:
+        """The streams C mixed after each block: 4 (Q, K, V, R), 1 after the last block or when one-way."""
+        return [4 if multiway and i < n_layers - 1 else 1 for i in range(n_layers)]
+
+    @staticmethod
+    def hidden_width(ways: int, sources: int, last: bool) -> int:
+        """The weight MLP's hidden width: C·(i + 1) sources' weights, times 4 after the last block,
+        rounded up a step of 64 as the authors' code does."""
+        return (ways * sources * (4 if last else 1) // 64 + 1) * 64
+
+    @classmethod
+    def routing_flops(cls, cfg: Any, model: Any) -> float:
+        """After block i (S = i + 2 sources, C streams, hidden width h), multiply-adds per token: the weight
+        MLP RMSNorm(X_i) W_1 W_2 (d·h + h·C·S) and the C mixes of the S sources (C·S·d); times 2 FLOPs and
+        3 for training, over the L blocks."""
+        d, L = model.d_model, model.n_layers
+        macs = 0
+        for i, C in enumerate(cls.ways_of(cfg.settings("muddformer").multiway, L)):
+            S, h = i + 2, cls.hidden_width(C, i + 2, i == L - 1)
+            macs += d * h + h * C * S + C * S * d
+        return 6.0 * macs
+
     def __init__(self, cfg: Any, model: Any):
         super().__init__()
         d, L = model.d_model, model.n_layers
         self.multiway, self.eps = cfg.settings("muddformer").multiway, model.norm_eps
-        self.ways = [4 if self.multiway and i < L - 1 else 1 for i in range(L)]
+        self.ways = self.ways_of(self.multiway, L)
         w1, w2, static = [], [], []
         # Drawn without moving the generator the sublayers are initialised from next (separate_rng).
         with separate_rng():
             for i, C in enumerate(self.ways):
                 sources = i + 2  # X_0 .. X_(i+1) after block i (0-based)
-                hidden = C * sources * (4 if i == L - 1 else 1)
-                hidden = (hidden // 64 + 1) * 64
+                hidden = self.hidden_width(C, sources, i == L - 1)
                 w1.append(nn.Linear(d, hidden, bias=False))
                 nn.init.normal_(w1[-1].weight, std=d ** -0.5)
                 w2.append(nn.Linear(hidden, C * sources, bias=False))

@@ -39,6 +39,14 @@ class RoutedState:
     in_block: int = 0  # sublayers already summed into ``partial``
 
 
+def sources_at(site: int, block_sublayers: int) -> int:
+    """Sources site ``site`` mixes: the embedding (the null source for delta), every finished block, and
+    the unfinished block's partial sum if it has one (``block_sublayers``: 1 for full grouping, 2K for
+    blocks of K layers)."""
+    finished, partial = divmod(site, block_sublayers)
+    return 1 + finished + (1 if partial else 0)
+
+
 class MHARResidual(Residual):
     shared = ("heads", "grouping", "query_init", "backend")
     fused_path = True
@@ -61,6 +69,16 @@ class MHARResidual(Residual):
         if cfg.query_init != "zeros":
             label += f"-q{cfg.query_init}"
         return label
+
+    @classmethod
+    def routing_flops(cls, cfg: Any, model: Any) -> float:
+        """Attention over depth: at each of the 2L + 1 sites, for each of its S sources, a score
+        q · (g ⊙ RMSNorm(v_i)) (d multiply-adds, the gain folded into the query) and its share of the
+        mixture a_i v_i (d more), 4·d·S forward, 12·d·S per token for training; summed over the sites.
+        The H heads split d, so the count does not depend on H (as attention's does not on its heads)."""
+        per_source = 1 if cfg.block_layers() is None else 2 * cfg.block_layers()
+        sources = sum(sources_at(site, per_source) for site in range(2 * model.n_layers + 1))
+        return 12.0 * model.d_model * sources
 
     @classmethod
     def backend_name(cls, cfg: Any, cuda: bool) -> str:
@@ -101,8 +119,7 @@ class MHARResidual(Residual):
 
     def num_sources(self, site: int) -> int:
         """How many sources the given site mixes (site 2L is the final one)."""
-        finished, partial = divmod(site, self.block_sublayers)
-        return 1 + finished + (1 if partial else 0)
+        return sources_at(site, self.block_sublayers)
 
     def uses_fused(self, x0: Tensor) -> bool:
         if self.backend == "auto":
