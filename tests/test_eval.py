@@ -40,15 +40,31 @@ def corpus(tmp_path: Path) -> Path:
     return path
 
 
+STUDY = ("description: one routed arm\nfixed: {model.preset: tiny}\narms:\n  mhar-h2: {residual.kind: mhar, residual.heads: 2}\n"
+         "seeds: 2\nbudgets: {steps: 2}\n")
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> tuple[Path, Path]:
-    """(output folder, run folder) of a tiny MHAR run trained a few steps on this package's source."""
+def study(tmp_path_factory) -> tuple[Path, Path, object]:
+    """(output folder, study file, StudyRun) of a tiny MHAR study, 2 seeds trained 2 steps each on this
+    package's source, with the checkpoints kept."""
+    from mhar_ablate.study import StudyDefinition, StudyRun, run_study
+
     tmp = tmp_path_factory.mktemp("eval")
+    path = tmp / "pair.yaml"
+    path.write_text(STUDY)
     out = tmp / "out"
-    cfg = build_config(overrides={**FAST, "data.source": str(corpus(tmp)), "residual.kind": "mhar",
-                                  "residual.heads": "2", "train.steps": "4"})
-    assert train_run(cfg, out / "runs" / "mhar", out / "cache", log=lambda s: None)["status"] == "completed"
-    return out, out / "runs" / "mhar"
+    sr = StudyRun(StudyDefinition.load(str(path)), "steps", out, {**FAST, "data.source": str(corpus(tmp))}, seeds=2,
+                  keep_checkpoints=True)
+    assert run_study(sr, log=lambda s: None)["done"] == 2
+    return out, path, sr
+
+
+@pytest.fixture
+def trained(study) -> tuple[Path, Path]:
+    """(output folder, run folder) of one trained run."""
+    out, _, sr = study
+    return out, sr.run_dir("mhar-h2", 0)
 
 
 def task_folder(tmp_path: Path, name: str = "tiny_mc", data: Path | None = None) -> Path:
@@ -89,7 +105,7 @@ def test_adapter_scores_what_the_decoder_computes(trained):
 
     out, run_dir = trained
     run = load_trained(run_dir, out / "cache")
-    assert run.step == 4 and run.status == "completed" and not run.model.training
+    assert run.step == 2 and run.status == "completed" and not run.model.training
     lm = RunLM(run, batch_size=3, progress=False)
     enc = run.tokenizer.encode
     long_context = "def f(x):\n    return x * 2\n" * 3  # 84 bytes: cut from the left to the last seq_len tokens
@@ -146,7 +162,7 @@ def test_cli_eval_writes_the_harness_results_and_reuses_them(trained, tmp_path, 
     right = [max(range(3), key=lambda c: direct_loglikelihood(run.model, enc(e["question"]), enc(" " + e["choices"][c]))[0])
              == e["label"] for e in EXAMPLES]
     assert acc == pytest.approx(sum(right) / len(right))
-    assert data["model"]["step"] == 4 and data["model"]["arm"] == "mhar-h2" and data["lm_eval_version"]
+    assert data["model"]["step"] == 2 and data["model"]["arm"] == "mhar-h2" and data["lm_eval_version"]
     assert data["harness"]["n-samples"]["tiny_mc"]["effective"] == 4 and "configs" in data["harness"]
     assert "| tiny_mc | acc |" in printed.out and "tiny_mc.json" in printed.err
 
@@ -185,3 +201,64 @@ def test_a_run_without_weights_is_one_line(tmp_path, capsys):
     (run_dir / "config.yaml").write_text("seed: 0\n")
     err = one_error(capsys, ["eval", str(run_dir), "--tasks", "x", "--output", str(out)])
     assert "has no weights" in err and "--keep-checkpoints" in err
+
+
+def test_study_eval_adds_mean_and_spread_over_seeds_to_the_export(study, tmp_path, capsys):
+    import shutil
+    import statistics
+
+    out, path, sr = study
+    tasks = task_folder(tmp_path)
+    capsys.readouterr()
+    assert main(["eval", "--study", str(path), "--tasks", "tiny_mc", "--include", str(tasks), "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    accs = [json.loads((sr.run_dir("mhar-h2", seed) / "eval" / "tiny_mc.json").read_text())
+            ["harness"]["results"]["tiny_mc"]["acc,none"] for seed in (0, 1)]
+    assert "| tiny_mc acc |" in printed
+
+    assert main(["export", str(path), "--format", "json", "--output", str(out)]) == 0
+    table = json.loads(capsys.readouterr().out)
+    assert [c["header"] for c in table["extra_columns"]] == ["tiny_mc acc"]
+    [row] = table["rows"]
+    assert row["eval_tiny_mc_acc"] == pytest.approx([statistics.fmean(accs), statistics.stdev(accs), 2])
+
+    # Without weights (a study run without --keep-checkpoints) nothing is evaluated, and one line says why.
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    shutil.rmtree(copy / sr.run_dir("mhar-h2", 1).relative_to(out) / "checkpoints")
+    err = one_error(capsys, ["eval", "--study", str(path), "--tasks", "tiny_mc", "--include", str(tasks),
+                             "--output", str(copy), "--force"])
+    assert "1 of the 2 finished runs" in err and "--keep-checkpoints" in err
+
+
+def test_export_columns_from_the_runs_eval_files(tmp_path):
+    """Per arm and task metric: mean ± std over the seeds that have results, the latest evaluation of a
+    run winning, other shot counts apart, bold where the harness says which end is better."""
+    from mhar_ablate.evaluation.columns import add_eval_columns
+    from mhar_ablate.export import StudyTable, TrialData, render
+
+    def trial(arm, seed):
+        return TrialData(arm, seed, "completed", [(0, 0, 0, 5.0), (10, 1, 100, 4.0)], 1.0, None, 10, 0.0, "cpu", "")
+
+    def write(arm, seed, name, acc, at, shots=0):
+        harness = {"results": {"mc": {"alias": "mc", "acc,none": acc, "acc_stderr,none": 0.1, "sample_len": 4}},
+                   "n-shot": {"mc": shots}, "higher_is_better": {"mc": {"acc": True}}, "n-samples": {"mc": {"effective": 4}}}
+        f = tmp_path / f"{arm}-s{seed}" / "eval" / f"{name}.json"
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(json.dumps({"harness": harness, "settings": {"limit": None}, "evaluated_at": at}))
+
+    trials = {"base": [trial("base", 0), trial("base", 1)], "mhar-h4": [trial("mhar-h4", 0), trial("mhar-h4", 1)]}
+    write("base", 0, "a", 0.50, 1.0)
+    write("base", 1, "a", 0.10, 1.0)
+    write("base", 1, "b", 0.70, 2.0)  # evaluated again later: this one counts
+    write("mhar-h4", 0, "a", 0.90, 1.0)  # seed 1 not evaluated: n=1
+    write("mhar-h4", 0, "five", 0.30, 1.0, shots=5)
+    table = StudyTable("s", "steps", "", "base", 10, 1, [{"arm": a, "n": 2, "diverged": 0, "pruned": 0} for a in trials],
+                       [], trials)
+    add_eval_columns(table, tmp_path)
+    assert [c.header for c in table.extra] == ["mc acc", "mc acc 5-shot"]
+    acc = table.extra[0].values
+    assert acc["base"] == pytest.approx((0.6, 0.1 * 2 ** 0.5, 2)) and acc["mhar-h4"] == (0.9, 0.0, 1)
+    md = render(table, "md")
+    assert "| **0.9000 ± 0.0000 (n=1)** |" in md and "| 0.6000 ± 0.1414 | – |" in md
+    assert "mc acc 5-shot" in render(table, "latex")

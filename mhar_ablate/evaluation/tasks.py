@@ -61,7 +61,6 @@ def task_manager(names: list[str], include: list[Path]):
     """A ``TaskManager`` that knows every name in ``names``; one line for a name it does not know."""
     require_lm_eval()
     from lm_eval.tasks import TaskManager
-    from lm_eval.tasks._index import Kind
 
     for folder in include:
         if not folder.is_dir():
@@ -73,11 +72,12 @@ def task_manager(names: list[str], include: list[Path]):
     wanted = [n for n in names if n not in paths]
     if include:
         local = TaskManager(include_path=[str(f) for f in include], include_defaults=False)
-        index = local.task_index
-        if all(n in index and index[n].kind in (Kind.TASK, Kind.PY_TASK) for n in wanted):
+        plain = set(local.all_subtasks)  # tasks, not groups or tags (which may name the harness's tasks)
+        if all(n in plain for n in wanted):
             return _Offline(local)
     full = TaskManager(include_path=[str(f) for f in include] or None)
-    unknown = [n for n in wanted if n not in full.task_index]
+    known = set(full.all_tasks)
+    unknown = [n for n in wanted if n not in known]
     if unknown:
         import difflib
 
@@ -89,22 +89,29 @@ def task_manager(names: list[str], include: list[Path]):
 
 
 class _Offline:
-    """A task manager whose ``load`` turns data that are not on this machine into one line."""
+    """A task manager whose loading (``load``; ``load_task_or_group`` before lm-eval 0.4.10) turns data
+    that are not on this machine into one line."""
+
+    LOADERS = ("load", "load_task_or_group")
 
     def __init__(self, manager):
         self.manager = manager
 
     def __getattr__(self, name):
-        return getattr(self.manager, name)
+        attr = getattr(self.manager, name)
+        if name not in self.LOADERS:
+            return attr
 
-    def load(self, task_list):
-        try:
-            return self.manager.load(task_list)
-        except (ConnectionError, FileNotFoundError) as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise UsageError(f"task data not on this machine: {first}; eval runs offline: put the dataset in the "
-                             "Hugging Face datasets cache (HF_DATASETS_CACHE) or point a task YAML at local files "
-                             "(--include DIR)") from None
+        def load(*args, **kwargs):
+            try:
+                return attr(*args, **kwargs)
+            except (ConnectionError, FileNotFoundError) as e:
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+                raise UsageError(f"task data not on this machine: {first}; eval runs offline: put the dataset in the "
+                                 "Hugging Face datasets cache (HF_DATASETS_CACHE) or point a task YAML at local files "
+                                 "(--include DIR)") from None
+
+        return load
 
 
 def results_name(tasks: list[str]) -> str:
