@@ -29,7 +29,8 @@ EVAL_DIR = "eval"
 
 
 def require_lm_eval():
-    """The ``lm_eval`` package, or one line saying how to install it."""
+    """The ``lm_eval`` package (imported offline), or one line saying how to install it."""
+    go_offline()
     try:
         import lm_eval
     except ImportError:
@@ -148,7 +149,6 @@ def evaluate_run(run, tasks: list[str], manager, *, limit: int | None = None, nu
                  include: list[Path] | None = None) -> dict[str, Any]:
     """The harness on ``run`` (a ``TrainedRun``): its results dict with what produced it."""
     lm_eval = require_lm_eval()
-    go_offline()
     quiet_harness()
     from lm_eval.utils import handle_non_serializable
 
@@ -156,6 +156,10 @@ def evaluate_run(run, tasks: list[str], manager, *, limit: int | None = None, nu
     from ..training.run import autocast_for
     from .harness import RunLM
 
+    if not progress:
+        import datasets
+
+        datasets.disable_progress_bars()  # "Generating test split" and the like, on every task's load
     lm = RunLM(run, batch_size=batch_size, autocast=autocast_for(run.cfg) if run.model.embed.weight.is_cuda else None,
                progress=progress)
     started = time.time()
