@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "study (needs the eval extra: pip install 'mhar-ablate[eval]')")
     v.add_argument("run", nargs="?", metavar="RUN", help="a run folder (or its name under --output/runs)")
     v.add_argument("--study", metavar="NAME", help="evaluate every finished run of this study instead of one RUN")
-    v.add_argument("--tasks", required=True, metavar="T[,T...]", help="lm-eval task, group or tag names, or task YAML files")
+    v.add_argument("--tasks", required=True, metavar="T[,T...]", help="lm-eval task, group or tag names, comma-separated")
     v.add_argument("--include", action="append", default=[], metavar="DIR",
                    help="a folder of task YAMLs (e.g. tasks over local data files); may be repeated")
     v.add_argument("--limit", type=int, metavar="N", help="at most N examples per task (for a quick look)")

@@ -189,6 +189,7 @@ def test_bad_input_is_one_line(trained, tmp_path, capsys, monkeypatch):
                                                                "--include", str(missing), *base])
     assert "no run 'nope'" in one_error(capsys, ["eval", "nope", "--tasks", "tiny_gone", *base])
     assert "one RUN or --study" in one_error(capsys, ["eval", "--tasks", "x", *base])
+    assert "--include" in one_error(capsys, ["eval", str(run_dir), "--tasks", "t.yaml", *base])
     assert "--limit must be at least 1" in one_error(capsys, ["eval", str(run_dir), "--tasks", "x", "--limit", "0", *base])
     monkeypatch.setitem(__import__("sys").modules, "lm_eval", None)  # as if the extra were not installed
     assert "pip install 'mhar-ablate[eval]'" in one_error(capsys, ["eval", str(run_dir), "--tasks", "x", *base])

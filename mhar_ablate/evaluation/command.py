@@ -82,6 +82,8 @@ def eval_one(run_dir: Path, output: Path, opts: EvalOptions, manager, device: st
     if done is not None:
         log(f"{run_dir}: already evaluated at step {run.step} ({path.name}); --force evaluates again")
         return done, path, False
+    if run.status != "completed":
+        log(f"note: {run_dir} is {run.status}; evaluating its last checkpoint (step {run.step})")
     data = evaluate_run(run, opts.tasks, manager, limit=opts.limit, num_fewshot=opts.num_fewshot,
                         batch_size=opts.batch_size, bootstrap_iters=opts.bootstrap_iters, progress=opts.progress,
                         include=opts.include)

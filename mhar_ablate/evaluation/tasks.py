@@ -7,8 +7,8 @@ Hub cache, or where its YAML points at local files (``dataset_path: json`` with 
 data_files: ...``; ``--include DIR`` adds a folder of such YAMLs). A task whose data are not on the
 machine is one line naming what is missing.
 
-Indexing the harness's ~15,000 built-in task configs takes seconds, so names that a ``--include`` folder
-defines as plain tasks (or YAML paths) are resolved without it; anything else builds the full index.
+Indexing the harness's ~15,000 built-in task configs takes seconds, so names that an ``--include``
+folder defines as plain tasks are resolved without it; anything else builds the full index.
 """
 
 from __future__ import annotations
@@ -66,13 +66,13 @@ def task_manager(names: list[str], include: list[Path]):
     for folder in include:
         if not folder.is_dir():
             raise UsageError(f"--include {folder}: no such folder")
-    paths = [n for n in names if n.endswith((".yaml", ".yml"))]
-    for p in paths:
-        if not Path(p).is_file():
-            raise UsageError(f"task file {p}: no such file")
-    wanted = [n for n in names if n not in paths]
+    for n in names:
+        if n.endswith((".yaml", ".yml")):  # lm-eval reads a path in the task list in some releases only
+            raise UsageError(f"--tasks takes task names, not files ({n}): give the YAML's folder with --include "
+                             "and the name under its task: key")
+    wanted = list(names)
     if include:
-        local = TaskManager(include_path=[str(f) for f in include], include_defaults=False)
+        local = TaskManager(include_path=[str(f) for f in include] or None, include_defaults=False)
         plain = set(local.all_subtasks)  # tasks, not groups or tags (which may name the harness's tasks)
         if all(n in plain for n in wanted):
             return _Offline(local)
@@ -117,8 +117,7 @@ class _Offline:
 
 def results_name(tasks: list[str]) -> str:
     """``RUN/eval/<this>.json``: the tasks as given, joined with ``+``, safe as a file name."""
-    parts = [Path(t).stem if t.endswith((".yaml", ".yml")) else t for t in tasks]
-    return re.sub(r"[^A-Za-z0-9_.+-]", "_", "+".join(parts))[:200]
+    return re.sub(r"[^A-Za-z0-9_.+-]", "_", "+".join(tasks))[:200]
 
 
 def results_path(run_dir: Path, tasks: list[str]) -> Path:

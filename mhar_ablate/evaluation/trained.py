@@ -69,7 +69,7 @@ def load_trained(run_dir: Path, cache_dir: Path, device: str | torch.device = "c
 
     cfg = load_run_config(run_dir)
     ckpt = require_weights(run_dir)
-    state = read_checkpoint(ckpt)
+    state = read_checkpoint(ckpt, mmap=True)  # the weights only are read: not the optimiser's moments
     weights = {k[len("model."):]: v for k, v in state["state_dict"].items() if k.startswith("model.")}
     if "embed.weight" not in weights:
         raise UsageError(f"checkpoint {ckpt} holds no decoder weights")
