@@ -300,6 +300,9 @@ def render(table: StudyTable, fmt: str) -> str:
             lines.append(f"Continued pretraining: Δ is the gain over plain continued training (the {table.baseline} arm: "
                          "same start, data order, schedule and batches), not over the start; the start row is the "
                          "source checkpoint's validation loss before either continuation.")
+        if table.extra:
+            lines.append("Task columns (`mhar-ablate eval`): mean ± std over each arm's evaluated seeds (n= where fewer "
+                         "seeds have results); bold marks the better end.")
         if table.backend_note:
             lines.append(table.backend_note)
         if table.missing:
