@@ -101,6 +101,22 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--storage", metavar="URL")
     _common(e)
 
+    v = sub.add_parser("eval", help="run lm-evaluation-harness tasks on a trained run, or on every finished run of a "
+                                    "study (needs the eval extra: pip install 'mhar-ablate[eval]')")
+    v.add_argument("run", nargs="?", metavar="RUN", help="a run folder (or its name under --output/runs)")
+    v.add_argument("--study", metavar="NAME", help="evaluate every finished run of this study instead of one RUN")
+    v.add_argument("--tasks", required=True, metavar="T[,T...]", help="lm-eval task, group or tag names, comma-separated")
+    v.add_argument("--include", action="append", default=[], metavar="DIR",
+                   help="a folder of task YAMLs (e.g. tasks over local data files); may be repeated")
+    v.add_argument("--limit", type=int, metavar="N", help="at most N examples per task (for a quick look)")
+    v.add_argument("--num-fewshot", type=int, metavar="K", help="few-shot examples (default: each task's own)")
+    v.add_argument("--batch-size", type=int, default=16, metavar="B", help="sequences per forward (default 16)")
+    v.add_argument("--device", metavar="D", help="torch device (default: cuda when visible, else cpu)")
+    v.add_argument("--budget", choices=("steps", "wallclock"), help="with --study: one budget (default: every budget run)")
+    v.add_argument("--storage", metavar="URL", help="with --study: the study's storage (default: as recorded)")
+    v.add_argument("--force", action="store_true", help="evaluate again runs already evaluated with these settings")
+    _common(v)
+
     b = sub.add_parser("tensorboard", help="start TensorBoard on a study's runs (or print the command)")
     b.add_argument("name")
     b.add_argument("--port", type=int, default=6006)
@@ -329,6 +345,21 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .evaluation.command import EvalOptions, eval_run_command, eval_study_command, parse_tasks
+
+    if (args.run is None) == (args.study is None):
+        raise UsageError("eval takes one RUN or --study NAME")
+    if args.run is not None and (args.budget or args.storage):
+        raise UsageError("--budget and --storage apply to --study only")
+    opts = EvalOptions(parse_tasks(args.tasks), [Path(p) for p in args.include], args.limit, args.num_fewshot,
+                       args.batch_size, device=args.device, force=args.force, progress=sys.stderr.isatty())
+    output = Path(args.output)
+    if args.study is not None:
+        return eval_study_command(args.study, output, opts, args.budget, args.storage)
+    return eval_run_command(args.run, output, opts)
+
+
 def cmd_tensorboard(args: argparse.Namespace) -> int:
     import shutil
     import subprocess
@@ -355,7 +386,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"bench": cmd_bench, "convert": cmd_convert, "train": cmd_train, "study": cmd_study, "export": cmd_export, "tensorboard": cmd_tensorboard,
-            "info": cmd_info}
+            "info": cmd_info, "eval": cmd_eval}
 
 
 def _attach_negative_values(argv: list[str]) -> list[str]:
@@ -364,7 +395,8 @@ def _attach_negative_values(argv: list[str]) -> list[str]:
     out: list[str] = []
     for a in argv:
         if out and out[-1] in ("--time", "--steps", "--flops", "--seeds", "--trials", "--workers", "--devices", "--trials-per-gpu",
-                               "--heartbeat", "--heads", "--blocks") and re.match(r"-[0-9.]", a):
+                               "--heartbeat", "--heads", "--blocks", "--limit", "--num-fewshot",
+                               "--batch-size") and re.match(r"-[0-9.]", a):
             out[-1] = f"{out[-1]}={a}"
         else:
             out.append(a)

@@ -56,6 +56,17 @@ class TrialData:
 
 
 @dataclass
+class ExtraColumn:
+    """A column that a later stage adds to the table after the loss columns (downstream evaluation:
+    ``evaluation/columns.py``): per arm, the mean, std and count over seeds of one measure."""
+
+    header: str
+    key: str  # its name in csv and json
+    values: dict[str, tuple[float, float, int]]  # arm -> (mean, std, seeds)
+    higher_is_better: bool | None = None  # which end is bold; None: no bold
+
+
+@dataclass
 class StudyTable:
     name: str
     budget: str
@@ -72,6 +83,7 @@ class StudyTable:
     backend_note: str = ""
     shared_device: bool = False  # some trials shared a GPU (--trials-per-gpu): time and throughput are not clean
     at_flops: float | None = None  # the equal-FLOPs point; None when a trial did not record its FLOPs per token
+    extra: list[ExtraColumn] = field(default_factory=list)
 
 
 def _num(v: Any) -> float | None:
@@ -268,6 +280,20 @@ class _Bold(str):
     """A cell to set in bold; each format escapes it first and then marks it."""
 
 
+def _extra_cells(table: StudyTable, row: dict[str, Any], bold) -> list[str]:
+    cells = []
+    for col in table.extra:
+        v = col.values.get(row["arm"])
+        if v is None:
+            cells.append("–")
+            continue
+        text = f"{v[0]:.4f} ± {v[1]:.4f}" + (f" (n={v[2]})" if v[2] != row["n"] else "")
+        means = [m for m, _, _ in col.values.values()]
+        best = None if col.higher_is_better is None or len(means) < 2 else (max if col.higher_is_better else min)(means)
+        cells.append(bold(text) if best is not None and v[0] == best else text)
+    return cells
+
+
 # LaTeX's special characters, and the table's non-ASCII symbols in their math forms, in one pass.
 _LATEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_", "{": r"\{",
           "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "±": r"$\pm$", "×": r"$\times$",
@@ -286,7 +312,8 @@ def _flops_label(table: StudyTable) -> str:
 def _headers(table: StudyTable) -> list[str]:
     heads = [h.format(steps=int(table.at_step), time=_fmt_time(table.at_seconds), flops=_flops_label(table))
              for h in HEADERS]
-    return [h + " †" if table.shared_device and i in SHARED_COLUMNS else h for i, h in enumerate(heads)]
+    heads = [h + " †" if table.shared_device and i in SHARED_COLUMNS else h for i, h in enumerate(heads)]
+    return heads + [c.header for c in table.extra]
 
 
 def render(table: StudyTable, fmt: str) -> str:
@@ -295,7 +322,8 @@ def render(table: StudyTable, fmt: str) -> str:
         lines = [f"### {table.name} ({table.budget} budget)", "", table.description, "",
                  "| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
         md = lambda c: (f"**{c}**" if isinstance(c, _Bold) else c).replace("|", r"\|")
-        lines += ["| " + " | ".join(md(c) for c in _cells(table, r, _Bold)) + " |" for r in table.rows]
+        lines += ["| " + " | ".join(md(c) for c in _cells(table, r, _Bold) + _extra_cells(table, r, _Bold)) + " |"
+                  for r in table.rows]
         lines += ["", "Mean ± std over seeds; Δ is the paired difference to the baseline arm with its 95 % "
                   "t-interval over seeds; bold marks the lowest loss in a column."]
         if table.at_flops is not None:
@@ -305,6 +333,9 @@ def render(table: StudyTable, fmt: str) -> str:
             lines.append(f"Continued pretraining: Δ is the gain over plain continued training (the {table.baseline} arm: "
                          "same start, data order, schedule and batches), not over the start; the start row is the "
                          "source checkpoint's validation loss before either continuation.")
+        if table.extra:
+            lines.append("Task columns (`mhar-ablate eval`): mean ± std over each arm's evaluated seeds (n= where fewer "
+                         "seeds have results); bold marks the better end.")
         if table.backend_note:
             lines.append(table.backend_note)
         if table.missing:
@@ -316,7 +347,8 @@ def render(table: StudyTable, fmt: str) -> str:
         head = [esc(h) for h in _headers(table)]
         lines = [r"\begin{table}[t]", r"\centering", r"\small", r"\begin{tabular}{l" + "r" * (len(head) - 1) + "}",
                  r"\toprule", " & ".join(head) + r" \\", r"\midrule"]
-        lines += [" & ".join(cell(c) for c in _cells(table, r, _Bold)) + r" \\" for r in table.rows]
+        lines += [" & ".join(cell(c) for c in _cells(table, r, _Bold) + _extra_cells(table, r, _Bold)) + r" \\"
+                  for r in table.rows]
         lines += [r"\bottomrule", r"\end{tabular}",
                   r"\caption{" + esc(f"{table.name}, {table.budget} budget. Mean ± std over seeds; Δ: paired difference "
                                      "to the baseline with a 95 % t-interval; bold: lowest loss.") + "}", r"\end{table}"]
@@ -328,7 +360,7 @@ def render(table: StudyTable, fmt: str) -> str:
                     "loss_at_time_mean", "loss_at_time_std", "delta_at_time", "delta_at_time_ci95", "throughput_vs_baseline",
                     "tokens_per_s", "peak_mem_gb", "param_overhead_pct", "best_at_steps", "best_at_time", "at_step", "at_seconds",
                     "shared_device", "loss_at_flops_mean", "loss_at_flops_std", "delta_at_flops", "delta_at_flops_ci95",
-                    "best_at_flops", "at_flops"])
+                    "best_at_flops", "at_flops", *(f"{c.key}_{part}" for c in table.extra for part in ("mean", "std", "n"))])
         for r in table.rows:
             ls, lt = r.get("loss_at_steps", (None, None)), r.get("loss_at_time", (None, None))
             ds, dt = r.get("delta_at_steps") or (None, None, 0), r.get("delta_at_time") or (None, None, 0)
@@ -336,7 +368,8 @@ def render(table: StudyTable, fmt: str) -> str:
             w.writerow([r["arm"], r["n"], r["diverged"], *ls, ds[0], ds[1], *lt, dt[0], dt[1], r.get("throughput_vs_baseline"),
                         r.get("tokens_per_s"), r.get("peak_mem_gb"), r.get("param_overhead_pct"),
                         r.get("best_loss_at_steps", False), r.get("best_loss_at_time", False), table.at_step, table.at_seconds,
-                        table.shared_device, *lf, df[0], df[1], r.get("best_loss_at_flops", False), table.at_flops])
+                        table.shared_device, *lf, df[0], df[1], r.get("best_loss_at_flops", False), table.at_flops,
+                        *(x for c in table.extra for x in c.values.get(r["arm"], (None, None, 0)))])
         return buf.getvalue()
     if fmt == "json":
         def clean(v):
@@ -349,7 +382,11 @@ def render(table: StudyTable, fmt: str) -> str:
                            "baseline": table.baseline, "at_step": table.at_step, "at_seconds": table.at_seconds,
                            "at_flops": table.at_flops,
                            "missing": table.missing, "note": table.backend_note, "shared_device": table.shared_device,
-                           "rows": [{k: clean(v) for k, v in r.items()} for r in table.rows]}, indent=2) + "\n"
+                           "extra_columns": [{"header": c.header, "key": c.key, "higher_is_better": c.higher_is_better}
+                                             for c in table.extra],
+                           "rows": [{**{k: clean(v) for k, v in r.items()},
+                                     **{c.key: clean(c.values.get(r["arm"])) for c in table.extra}}
+                                    for r in table.rows]}, indent=2) + "\n"
     raise UsageError(f"unknown format {fmt!r}: choose one of {', '.join(FORMATS)}")
 
 
@@ -449,7 +486,10 @@ def _save(fig, path: Path) -> Path:
 
 def export(study, fmt: str, folder: Path) -> tuple[str, list[Path]]:
     """Render ``study`` as ``fmt``; write the table and the plots into ``folder``; return (text, files)."""
+    from .evaluation.columns import add_eval_columns
+
     table = build_table(study)
+    add_eval_columns(table, folder)
     text = render(table, fmt)
     path = folder / f"table.{EXT[fmt]}"
     write_text(path, text)

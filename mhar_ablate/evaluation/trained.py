@@ -1,0 +1,88 @@
+"""A trained run as a model to evaluate: the decoder with the weights of the run's checkpoint, in
+evaluation mode on the chosen device, its tokenizer, and what identifies it (arm, seed, step).
+
+A run's weights are its ``checkpoints/last.ckpt`` (read with ``weights_only``): ``train`` keeps it, and
+a study keeps it only with ``--keep-checkpoints``, since by default a finished trial's checkpoint is
+removed once its result is recorded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import RunConfig
+from ..data.tokenizer import Tokenizer
+from ..errors import UsageError
+
+
+@dataclass
+class TrainedRun:
+    run_dir: Path
+    cfg: RunConfig
+    model: torch.nn.Module  # a Decoder, in eval mode
+    tokenizer: Tokenizer
+    step: int  # the optimiser step of the weights
+    status: str  # the run's result status, or the checkpoint's ("running" for a run still training)
+
+    def describe(self) -> dict[str, Any]:
+        from ..training.run import arm_label
+
+        return {"run": str(self.run_dir), "arm": arm_label(self.cfg), "seed": self.cfg.seed, "step": self.step,
+                "status": self.status, "seq_len": self.cfg.model.seq_len, "tokenizer": self.tokenizer.spec()}
+
+
+def run_tokenizer(cfg: RunConfig, cache_dir: Path) -> Tokenizer:
+    """The tokenizer the run trained with: bytes, a tokenizers file, or the cached BPE of its corpus
+    (trained again, identically, where the cache was removed)."""
+    from ..data.cache import cache_root, ensure_dir
+    from ..data.sources import resolve_source
+    from ..data.tokenizer import ByteTokenizer, load_tokenizer
+
+    if cfg.data.tokenizer == "byte":
+        return ByteTokenizer()
+    root = ensure_dir(cache_root(cache_dir))
+    source = resolve_source(cfg.data, root) if cfg.data.tokenizer == "bpe" else None
+    return load_tokenizer(cfg.data.tokenizer, cfg.data.vocab_size, source, root)
+
+
+def require_weights(run_dir: Path) -> Path:
+    """The run's checkpoint, or one line saying why there is none."""
+    from ..training.checkpoint import CHECKPOINT
+
+    ckpt = run_dir / CHECKPOINT
+    if not ckpt.is_file():
+        raise UsageError(f"run {run_dir} has no weights to evaluate ({CHECKPOINT} is missing; a study removes "
+                         "finished trials' checkpoints unless it is run with --keep-checkpoints)")
+    return ckpt
+
+
+def load_trained(run_dir: Path, cache_dir: Path, device: str | torch.device = "cpu") -> TrainedRun:
+    """The run in ``run_dir`` with its checkpoint's weights; one clear error where it has none.
+    ``cache_dir``: the output folder's cache, where a BPE run's tokenizer is kept."""
+    from ..model import Decoder
+    from ..training.checkpoint import read_checkpoint, record_of
+    from ..training.run import finished_result, load_run_config
+
+    cfg = load_run_config(run_dir)
+    ckpt = require_weights(run_dir)
+    state = read_checkpoint(ckpt, mmap=True)  # the weights only are read: not the optimiser's moments
+    weights = {k[len("model."):]: v for k, v in state["state_dict"].items() if k.startswith("model.")}
+    if "embed.weight" not in weights:
+        raise UsageError(f"checkpoint {ckpt} holds no decoder weights")
+    tokenizer = run_tokenizer(cfg, cache_dir)
+    vocab = int(weights["embed.weight"].shape[0])
+    if vocab < tokenizer.vocab_size:
+        raise UsageError(f"checkpoint {ckpt} has {vocab} token embeddings, fewer than its tokenizer's {tokenizer.vocab_size}")
+    model = Decoder(cfg.model, cfg.residual, vocab)
+    try:
+        model.load_state_dict(weights, strict=True)
+    except RuntimeError as e:
+        raise UsageError(f"checkpoint {ckpt} does not fit the run's configuration ({str(e).splitlines()[0][:160]})") from None
+    model.to(device).eval()
+    result = finished_result(run_dir)
+    status = result["status"] if result else str(record_of(state).get("status") or "running")
+    return TrainedRun(run_dir, cfg, model, tokenizer, int(state["global_step"]), status)
