@@ -119,7 +119,7 @@ def main() -> int:
     rows["next_snippet"] = {r["metric"]: r["value"] for r in metric_rows(data)}
     (out / "eval_check.json").write_text(json.dumps(rows, indent=2) + "\n")
 
-    print(f"\n| measure | value |\n|---|---|")
+    print("\n| measure | value |\n|---|---|")
     print(f"| run | {args.preset}, mhar H=4, {args.steps} steps, val loss {rows['final_val_loss']:.4f} ({rows['train_seconds']} s) |")
     print(f"| log-likelihood vs fp32 CPU: max abs / rel diff | {rows['ll_max_abs_diff']:.4g} / {rows['ll_max_rel_diff']:.4g} |")
     print(f"| greedy flags agreeing with fp32 CPU | {rows['greedy_agreement']:.3f} |")

@@ -157,7 +157,7 @@ def stage_curves(rows: list[dict], args, work: Path, logs: Path) -> None:
             d = [abs(p["val_loss"] - q["val_loss"]) / abs(q["val_loss"]) for p, q in zip(a, b)]
             return max(d) if d and len(a) == len(b) else math.inf
 
-        (a, ga, ra), (b, gb, rb), (c, gc, rc) = curves["captured"], curves["uncaptured"], curves["nudged"]
+        (a, ga, ra), (b, gb, rb), (c, _, rc) = curves["captured"], curves["uncaptured"], curves["nudged"]
         diff, noise = worst(a, b), worst(a, c)
         rows.append({"stage": "curves", "variant": name, "captured_mode": ga, "uncaptured_mode": gb,
                      "points": len(a), "worst_rel_diff": diff, "noise_rel_diff": noise,

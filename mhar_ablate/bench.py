@@ -41,9 +41,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import UsageError
+
+if TYPE_CHECKING:  # annotations only
+    import torch
 
 # torch is imported inside the functions that run: the command line builds this parser for every command.
 

@@ -13,8 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from mhar_ablate.cli import main
-from mhar_ablate.config import build_config
-from mhar_ablate.training.run import train_run
 
 if os.environ.get("CI") == "true":
     import lm_eval  # noqa: F401  (CI installs the test extra, which has it: a missing one is a failure)
