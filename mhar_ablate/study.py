@@ -620,7 +620,15 @@ def preflight(sr: StudyRun, configs: dict[tuple[str, int], RunConfig], todo: lis
 
 
 def drop_checkpoints(run_dir: Path) -> None:
-    """A finished run's checkpoints: its result is recorded, and only resuming needs them."""
+    """A finished run's checkpoints: its result is recorded, and only resuming needs them. Its trained
+    weights stay, as ``weights.safetensors`` (``training/checkpoint.py``), for `eval` and later analyses."""
+    from .training.checkpoint import FINAL_WEIGHTS, save_final_weights
+
+    if not (run_dir / FINAL_WEIGHTS).is_file():
+        try:
+            save_final_weights(run_dir)
+        except UsageError:  # an unreadable checkpoint has no weights to keep; the result is recorded already
+            pass
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
 
 

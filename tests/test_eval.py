@@ -45,15 +45,14 @@ STUDY = ("description: one routed arm\nfixed: {model.preset: tiny}\narms:\n  mha
 @pytest.fixture(scope="module")
 def study(tmp_path_factory) -> tuple[Path, Path, object]:
     """(output folder, study file, StudyRun) of a tiny MHAR study, 2 seeds trained 2 steps each on this
-    package's source, with the checkpoints kept."""
+    package's source, run as a user runs it: finished trials keep their weights, not their checkpoints."""
     from mhar_ablate.study import StudyDefinition, StudyRun, run_study
 
     tmp = tmp_path_factory.mktemp("eval")
     path = tmp / "pair.yaml"
     path.write_text(STUDY)
     out = tmp / "out"
-    sr = StudyRun(StudyDefinition.load(str(path)), "steps", out, {**FAST, "data.source": str(corpus(tmp))}, seeds=2,
-                  keep_checkpoints=True)
+    sr = StudyRun(StudyDefinition.load(str(path)), "steps", out, {**FAST, "data.source": str(corpus(tmp))}, seeds=2)
     assert run_study(sr, log=lambda s: None)["done"] == 2
     return out, path, sr
 
@@ -193,6 +192,28 @@ def test_bad_input_is_one_line(trained, tmp_path, capsys, monkeypatch):
     assert "pip install 'mhar-ablate[eval]'" in one_error(capsys, ["eval", str(run_dir), "--tasks", "x", *base])
 
 
+def test_a_finished_study_trial_keeps_the_weights_it_trained(study, tmp_path):
+    """A study drops a finished trial's checkpoint but keeps its decoder weights, exactly, with their step."""
+    from mhar_ablate.evaluation.trained import load_trained
+    from mhar_ablate.study import drop_checkpoints
+    from mhar_ablate.training.checkpoint import CHECKPOINT, read_checkpoint
+
+    out, _, sr = study
+    run_dir = sr.run_dir("mhar-h2", 0)
+    assert not (run_dir / "checkpoints").exists() and (run_dir / "weights.safetensors").is_file()
+    assert load_trained(run_dir, out / "cache").step == json.loads((run_dir / "result.json").read_text())["step"]
+
+    assert main(["train", "--budget", "steps", "--steps", "3", "--preset", "tiny", "--output", str(tmp_path),
+                 *(f"{k}={v}" for k, v in {**FAST, "data.source": str(corpus(tmp_path))}.items())]) == 0
+    [one] = list((tmp_path / "runs").iterdir())
+    ckpt = read_checkpoint(one / CHECKPOINT)
+    drop_checkpoints(one)
+    kept = load_trained(one, tmp_path / "cache")
+    assert kept.step == ckpt["global_step"] == 3
+    for name, value in kept.model.state_dict().items():
+        assert torch.equal(value, ckpt["state_dict"][f"model.{name}"]), name
+
+
 def test_a_run_without_weights_is_one_line(tmp_path, capsys):
     out = tmp_path / "out"
     run_dir = out / "runs" / "r"
@@ -221,10 +242,10 @@ def test_study_eval_adds_mean_and_spread_over_seeds_to_the_export(study, tmp_pat
     [row] = table["rows"]
     assert row["eval_tiny_mc_acc"] == pytest.approx([statistics.fmean(accs), statistics.stdev(accs), 2])
 
-    # Without weights (a study run without --keep-checkpoints) nothing is evaluated, and one line says why.
+    # Without weights (a study of an earlier version, which kept none) nothing is evaluated, and one line says why.
     copy = tmp_path / "copy"
     shutil.copytree(out, copy)
-    shutil.rmtree(copy / sr.run_dir("mhar-h2", 1).relative_to(out) / "checkpoints")
+    (copy / sr.run_dir("mhar-h2", 1).relative_to(out) / "weights.safetensors").unlink()
     err = one_error(capsys, ["eval", "--study", str(path), "--tasks", "tiny_mc", "--include", str(tasks),
                              "--output", str(copy), "--force"])
     assert "1 of the 2 finished runs" in err and "--keep-checkpoints" in err

@@ -110,7 +110,7 @@ def eval_study_command(name: str, output: Path, opts: EvalOptions, budget: str |
                        log: Callable[[str], None] = print) -> int:
     from ..export import build_table, render
     from ..study import load_studies, study_folder
-    from ..training.checkpoint import CHECKPOINT
+    from ..training.checkpoint import CHECKPOINT, FINAL_WEIGHTS
     from .columns import add_eval_columns, run_dir_of
 
     studies = load_studies(output, Path(name).stem, budget, storage)
@@ -121,11 +121,11 @@ def eval_study_command(name: str, output: Path, opts: EvalOptions, budget: str |
         runs = [run_dir_of(folder, arm, t.seed) for arm, ts in table.trials.items() for t in ts if t.usable]
         plans.append((study, table, folder, runs))
     runs = [r for _, _, _, rs in plans for r in rs]
-    bare = [r for r in runs if not (r / CHECKPOINT).is_file()]
+    bare = [r for r in runs if not (r / CHECKPOINT).is_file() and not (r / FINAL_WEIGHTS).is_file()]
     if bare:
         raise UsageError(f"{len(bare)} of the {len(runs)} finished runs of study {Path(name).stem!r} have no weights to "
-                         f"evaluate (e.g. {bare[0]}): a study removes finished trials' checkpoints unless it is run with "
-                         "--keep-checkpoints, so train it again that way into a new --output folder")
+                         f"evaluate (e.g. {bare[0]}): studies run before this version kept no weights of finished "
+                         "trials unless run with --keep-checkpoints, so train it again into a new --output folder")
     manager, device = _prepare(opts)
     for i, run_dir in enumerate(runs, 1):
         _stderr(f"[{i}/{len(runs)}] {run_dir.relative_to(output) if run_dir.is_relative_to(output) else run_dir}")

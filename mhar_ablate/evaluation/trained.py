@@ -1,9 +1,8 @@
 """A trained run as a model to evaluate: the decoder with the weights of the run's checkpoint, in
 evaluation mode on the chosen device, its tokenizer, and what identifies it (arm, seed, step).
 
-A run's weights are its ``checkpoints/last.ckpt`` (read with ``weights_only``): ``train`` keeps it, and
-a study keeps it only with ``--keep-checkpoints``, since by default a finished trial's checkpoint is
-removed once its result is recorded.
+A run's weights are its ``checkpoints/last.ckpt`` (read with ``weights_only``), which ``train`` keeps, or,
+for a finished study trial whose checkpoint the study removed, the ``weights.safetensors`` it kept.
 """
 
 from __future__ import annotations
@@ -50,27 +49,32 @@ def run_tokenizer(cfg: RunConfig, cache_dir: Path) -> Tokenizer:
 
 
 def require_weights(run_dir: Path) -> Path:
-    """The run's checkpoint, or one line saying why there is none."""
-    from ..training.checkpoint import CHECKPOINT
+    """The run's checkpoint, else its kept final weights, or one line saying why there are none."""
+    from ..training.checkpoint import CHECKPOINT, FINAL_WEIGHTS
 
-    ckpt = run_dir / CHECKPOINT
-    if not ckpt.is_file():
-        raise UsageError(f"run {run_dir} has no weights to evaluate ({CHECKPOINT} is missing; a study removes "
-                         "finished trials' checkpoints unless it is run with --keep-checkpoints)")
-    return ckpt
+    for path in (run_dir / CHECKPOINT, run_dir / FINAL_WEIGHTS):
+        if path.is_file():
+            return path
+    raise UsageError(f"run {run_dir} has no weights to evaluate (neither {CHECKPOINT} nor {FINAL_WEIGHTS}; a study "
+                     "run before this version removed finished trials' checkpoints unless run with --keep-checkpoints)")
 
 
 def load_trained(run_dir: Path, cache_dir: Path, device: str | torch.device = "cpu") -> TrainedRun:
     """The run in ``run_dir`` with its checkpoint's weights; one clear error where it has none.
     ``cache_dir``: the output folder's cache, where a BPE run's tokenizer is kept."""
     from ..model import Decoder
-    from ..training.checkpoint import read_checkpoint, record_of
+    from ..training.checkpoint import FINAL_WEIGHTS, read_checkpoint, read_final_weights, record_of
     from ..training.run import finished_result, load_run_config
 
     cfg = load_run_config(run_dir)
     ckpt = require_weights(run_dir)
-    state = read_checkpoint(ckpt, mmap=True)  # the weights only are read: not the optimiser's moments
-    weights = {k[len("model."):]: v for k, v in state["state_dict"].items() if k.startswith("model.")}
+    if ckpt.name == FINAL_WEIGHTS.name:
+        weights, step = read_final_weights(ckpt)
+        state = None
+    else:
+        state = read_checkpoint(ckpt, mmap=True)  # the weights only are read: not the optimiser's moments
+        weights = {k[len("model."):]: v for k, v in state["state_dict"].items() if k.startswith("model.")}
+        step = int(state["global_step"])
     if "embed.weight" not in weights:
         raise UsageError(f"checkpoint {ckpt} holds no decoder weights")
     tokenizer = run_tokenizer(cfg, cache_dir)
@@ -84,5 +88,5 @@ def load_trained(run_dir: Path, cache_dir: Path, device: str | torch.device = "c
         raise UsageError(f"checkpoint {ckpt} does not fit the run's configuration ({str(e).splitlines()[0][:160]})") from None
     model.to(device).eval()
     result = finished_result(run_dir)
-    status = result["status"] if result else str(record_of(state).get("status") or "running")
-    return TrainedRun(run_dir, cfg, model, tokenizer, int(state["global_step"]), status)
+    status = result["status"] if result else str((record_of(state) if state else {}).get("status") or "running")
+    return TrainedRun(run_dir, cfg, model, tokenizer, step, status)

@@ -22,6 +22,9 @@ from ..config import RunConfig
 from ..errors import UsageError
 
 CHECKPOINT = Path("checkpoints") / "last.ckpt"
+# A finished study trial keeps only its model's weights (fp32, no optimiser moments: about a sixth of the
+# checkpoint), so that `eval` and later analyses can load what it trained.
+FINAL_WEIGHTS = Path("weights.safetensors")
 RECORD = "mhar_ablate"
 # Settings that change how a run is executed or logged, not what it computes: a checkpoint carries
 # over between them.
@@ -100,3 +103,33 @@ def checkpoint_bytes(params: int) -> int:
     """About what one checkpoint of a model with ``params`` parameters takes on disk: fp32 weights and
     AdamW's two fp32 moments (12 bytes a parameter), plus a little for everything else."""
     return 12 * params + (1 << 20)
+
+
+def save_final_weights(run_dir: Path) -> Path | None:
+    """Write the decoder weights of ``run_dir``'s checkpoint to ``FINAL_WEIGHTS`` (atomically, with the
+    checkpoint's step in the file's metadata); None where the run has no checkpoint."""
+    from safetensors.torch import save_file
+
+    from ..io import commit
+
+    ckpt, dest = run_dir / CHECKPOINT, run_dir / FINAL_WEIGHTS
+    if not ckpt.is_file():
+        return None
+    state = read_checkpoint(ckpt, mmap=True)
+    weights = {k[len("model."):]: v.contiguous() for k, v in state["state_dict"].items() if k.startswith("model.")}
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    save_file(weights, str(tmp), metadata={"global_step": str(int(state["global_step"]))})
+    commit(tmp, dest)
+    return dest
+
+
+def read_final_weights(path: Path) -> tuple[dict[str, torch.Tensor], int]:
+    """The weights and step that ``save_final_weights`` wrote; one clear error for an unreadable file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            step = int((f.metadata() or {}).get("global_step", -1))
+            return {k: f.get_tensor(k) for k in f.keys()}, step
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UsageError(f"{path} cannot be read ({str(e).splitlines()[0][:160]})") from None
