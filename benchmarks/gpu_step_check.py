@@ -29,12 +29,20 @@ import time
 import warnings
 from pathlib import Path
 
-VARIANTS = {  # bench model name -> train overrides
-    "baseline": ["residual.kind=baseline"],
-    "mhar-full-fused": ["residual.kind=mhar", "residual.heads=8", "residual.grouping=full", "residual.backend=triton"],
-    "mhar-block4-fused": ["residual.kind=mhar", "residual.heads=8", "residual.grouping=block:4",
-                          "residual.backend=triton"],
-}
+HEADS = 8  # bench model's default --heads
+
+
+def train_overrides(name: str) -> list[str]:
+    """`train` overrides for the `bench model` variant NAME (its name less -eager/-compiled): the same model."""
+    from mhar_ablate.bench import all_variants
+
+    v = next((v for v in all_variants([None]) if v.name == f"{name}-eager"), None)
+    if v is None:
+        raise SystemExit(f"unknown variant {name!r}: {', '.join(x.name[:-6] for x in all_variants([None]) if not x.compiled)}")
+    return [f"{k}={val}" for k, val in v.overrides(HEADS).items()]
+
+
+VARIANTS = {name: train_overrides(name) for name in ("baseline", "mhar-full-fused", "mhar-block4-fused")}
 PAPER_VOCAB = 151_936
 BATCH = 8
 TRAIN_STEPS = {"small": 300, "paper100m": 60, "paper350m": 60, "paper1b": 40}
@@ -173,7 +181,7 @@ def stage_speed(rows: list[dict], args, work: Path, logs: Path) -> None:
         seq = None
         mode = "compiled" if args.compile else "eager"
         bench_json = work / f"bench-{preset}-{mode}.json"
-        chosen = {k: v for k, v in VARIANTS.items() if k in args.variants.split(",")}
+        chosen = {k: VARIANTS.get(k) or train_overrides(k) for k in args.variants.split(",")}
         names = ",".join(f"{v}-{mode}" for v in chosen)
         log_run([sys.executable, "-m", "mhar_ablate", "bench", "model", "--preset", preset, "--variants", names,
                  "--cuda-graph", "--no-split", "--steps", "10", "--warmup", "3", "--json", str(bench_json)],
@@ -234,7 +242,8 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "gpu-step-check"))
     p.add_argument("--stages", default="syncs,curves,speed")
     p.add_argument("--presets", default="small")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="speed stage: which of " + ", ".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="speed stage: bench model variant names less -eager/-compiled, e.g. hc,mhc,delta-full-fused")
     p.add_argument("--compile", action="store_true", help="speed stage: compiled model (bench and train)")
     p.add_argument("--curve-tol", type=float, default=2e-3,
                    help="relative val-loss difference always accepted, whatever the measured noise")

@@ -78,6 +78,20 @@ class Variant:
         path = "ref" if self.path == "reference" else "fused"
         return f"{self.routing}-{self.grouping.replace(':', '')}-{path}-{mode}"
 
+    def overrides(self, heads: int) -> dict[str, str]:
+        """The config overrides (the preset aside) that build this variant's model: what `train` is given
+        to train the same model as this row."""
+        from .model.residual import RESIDUALS
+
+        over = {"residual.kind": self.routing, **dict(self.settings)}
+        cls = RESIDUALS[self.routing]
+        if cls.fused_path:
+            over.update({"residual.grouping": self.grouping,
+                         "residual.backend": "triton" if self.path == "fused" else "reference"})
+        if "heads" in cls.shared:  # the kinds whose head count varies (mhar, delta)
+            over["residual.heads"] = str(heads)
+        return over
+
 
 def _baseline(compiled: bool) -> Variant:
     return Variant("baseline", None, None, compiled)
@@ -302,15 +316,8 @@ def _build(v: Variant, preset: str, heads: int, vocab: int, device: torch.device
 
     from .config import build_config
     from .model import Decoder
-    from .model.residual import RESIDUALS
 
-    over = {"model.preset": preset, "residual.kind": v.routing, **dict(v.settings)}
-    cls = RESIDUALS[v.routing]
-    if cls.fused_path:
-        over.update({"residual.grouping": v.grouping, "residual.backend": "triton" if v.path == "fused" else "reference"})
-    if "heads" in cls.shared:  # the kinds whose head count varies (mhar, delta)
-        over["residual.heads"] = str(heads)
-    cfg = build_config(overrides=over)
+    cfg = build_config(overrides={"model.preset": preset, **v.overrides(heads)})
     torch.manual_seed(0)
     with torch.device(device):
         model = Decoder(cfg.model, cfg.residual, vocab)
