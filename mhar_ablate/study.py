@@ -640,8 +640,19 @@ def _record(trial, result: dict[str, Any]) -> None:
         "param_overhead_pct": result["param_overhead_pct"], "device": result["device"],
         "routing_backend": result["routing_backend"], "environment": result.get("environment"),
     }
+    attrs.update(_final_eval_attrs(result.get("final_eval")))
     for k, v in attrs.items():
         trial.set_user_attr(k, _finite_or_str(v))
+
+
+def _final_eval_attrs(final: dict[str, Any] | None) -> dict[str, Any]:
+    """The final evaluation's numbers as trial attributes (``final_eval_*``); its per-sequence losses too,
+    so that the export can take the evaluation's noise out of paired differences between arms."""
+    if not final:
+        return {}
+    out = {f"final_eval_{k}": final.get(k) for k in ("loss", "se", "sequences", "tokens", "seconds", "asked")}
+    out["final_eval_losses"] = final.get("sequence_losses")
+    return out
 
 
 def _finite_or_str(v: Any) -> Any:
