@@ -316,7 +316,9 @@ def _final_cells(table: StudyTable, row: dict[str, Any], bold) -> list[str]:
 
     def se(key):
         v = row.get(key)
-        return f"{v:.4f}" if v is not None else ("(baseline)" if baseline and key == "delta_final_se" else "–")
+        if v is not None:
+            return f"{v:.4f}"
+        return "(baseline)" if baseline and key == "delta_final_se" and "final_loss" in row else "–"
 
     def delta():
         d = row.get("delta_final")
@@ -578,6 +580,8 @@ def _target_line(ax, table: StudyTable) -> None:
 
 def _speedup_plot(table: StudyTable, plt):
     """Speed-up to the target (steps and training time) per arm with its interval; None when no arm has one."""
+    from matplotlib.ticker import FuncFormatter
+
     arms = [r for r in table.rows if r.get("speedup_steps") or r.get("speedup_time")]
     if not arms:
         return None
@@ -591,7 +595,7 @@ def _speedup_plot(table: StudyTable, plt):
             err = [[m - lo], [hi - m]] if not math.isnan(lo) else None
             ax.errorbar([m], [i], xerr=err, fmt="o", capsize=3, color="C0")
         ax.axvline(1.0, color="grey", ls="--", lw=1)
-        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:.2f}×"))
         ax.set_xlabel(f"speed-up in {what} to target (×)")
         ax.grid(alpha=0.3)
     axes[0].set_yticks(range(len(arms)), [r["arm"] for r in arms])

@@ -118,8 +118,9 @@ def finished_result(run_dir: Path) -> dict[str, Any] | None:
     if not isinstance(result, dict) or result.get("status") not in FINISHED:
         return None
     # Strict JSON holds a non-finite loss as its string ("nan", "inf"): back to the float it was.
-    for point in [result, *(p for p in result.get("curve") or [] if isinstance(p, dict))]:
-        for key in ("final_val_loss", "val_loss", "seconds"):
+    final = result.get("final_eval") if isinstance(result.get("final_eval"), dict) else {}
+    for point in [result, final, *(p for p in result.get("curve") or [] if isinstance(p, dict))]:
+        for key in ("final_val_loss", "val_loss", "seconds", "loss", "se"):
             if isinstance(point.get(key), str):
                 try:
                     point[key] = float(point[key])
