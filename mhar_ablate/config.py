@@ -227,10 +227,10 @@ class DataConfig:
 
 # Default size of the final evaluation set per model preset (``data.final_sequences``), in sequences of
 # seq_len + 1 tokens. At ``small`` (and up) 16,384 sequences put the standard error of a run's loss near
-# 0.0025 nats, half the 0.005 the paper's smaller gaps need (per-sequence spread ~0.3 nats at 512 tokens),
-# where the held-out part holds that many (4.2M tokens at small; the stdlib corpus's 1 % holds 614 there).
+# 0.0027 nats, about half of 0.005 (per-sequence spread ~0.35 nats at 512 tokens), and a paired Δ's near
+# 0.0003, where the held-out part holds that many (4.2M tokens at small; the stdlib corpus's 1 % holds 614).
 # ``tiny`` is the CPU preset whose default study must stay a few minutes long: 512 sequences (65k tokens)
-# cost 1-3 s a run on 2 CPU cores; its standard error (~0.02) is what its few hundred steps merit.
+# cost 0.6-1.6 s a run on 2 CPU cores; a run's standard error there is ~0.019, a paired Δ's ~0.002.
 # docs/benchmarks.md ("Final evaluation") has the measurement.
 FINAL_SEQUENCES = {"tiny": 512}
 FINAL_SEQUENCES_OTHER = 16_384

@@ -5,6 +5,10 @@ training time (the largest training time every arm reached), mean ± std over se
 difference to the baseline arm with a 95 % t-interval over seeds; throughput relative to the baseline;
 peak memory; parameter overhead. The lowest loss in each loss column is marked. Diverged trials are
 counted but left out of the equal-step/equal-time points (their curves end early).
+
+A second table per study: the final evaluation on the large fixed held-out set (training/final_eval.py)
+with its standard errors beside the spread over seeds, and steps and time to a target loss with the
+speed-up over the baseline (reporting/to_target.py); runs recorded before the final evaluation show –.
 """
 
 from __future__ import annotations

@@ -446,8 +446,10 @@ def _finish_from_record(run_dir: Path, record: dict[str, Any], step: int, second
 
 
 def _log_final_hparams(logger: TensorBoardLogger, cfg: RunConfig, result: dict[str, Any]) -> None:
-    logger.log_hyperparams(_hparams(cfg), {"hparams/final_val_loss": result["final_val_loss"],
-                                           "hparams/tokens_per_s": result["tokens_per_s"] or 0.0})
+    metrics = {"hparams/final_val_loss": result["final_val_loss"], "hparams/tokens_per_s": result["tokens_per_s"] or 0.0}
+    if result.get("final_eval"):
+        metrics["hparams/final_eval_loss"] = result["final_eval"]["loss"]
+    logger.log_hyperparams(_hparams(cfg), metrics)
 
 
 def _release(module: LMModule, trainer: L.Trainer) -> None:
