@@ -201,11 +201,16 @@ class StudyRun:
 
     def fingerprint(self, configs: dict[tuple[str, int], RunConfig]) -> str:
         """Identity of what the study measures: the arms' configs minus the seed."""
-        # train.devices=1 is left out so that studies from before the key existed keep their identity.
-        per_arm = {arm: {k: v for k, v in cfg.flat().items() if k != "seed" and (k, v) != ("train.devices", 1)}
+        # Keys at the value that reproduces what ran before they existed are left out, so that studies from
+        # before them keep their identity.
+        per_arm = {arm: {k: v for k, v in cfg.flat().items() if k != "seed" and (k, v) not in NEW_KEY_DEFAULTS}
                    for (arm, seed), cfg in configs.items() if seed == 0}
         extra = {"tune": self.tune}
         return hashlib.sha256(json.dumps([per_arm, extra], sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# (key, value) pairs a study's fingerprint leaves out: keys added after studies existed, at their defaults.
+NEW_KEY_DEFAULTS = (("train.devices", 1), ("data.final_sequences", None))
 
 
 # --------------------------------------------------------------------------- storage

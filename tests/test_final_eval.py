@@ -220,3 +220,22 @@ def test_old_runs_without_a_final_evaluation_still_export_with_dashes():
     assert cells[6] != "–"  # time to target needs only the curve
     rows = {r["arm"]: r for r in csv.DictReader(io.StringIO(render(table, "csv")))}
     assert rows["mhar-h4"]["final_loss_mean"] == ""
+
+
+def test_a_study_from_before_the_final_set_keeps_its_identity(tmp_path):
+    """The study's fingerprint leaves data.final_sequences out at its default, as it was computed before
+    the key existed, so an earlier study continues; another size is another study."""
+    import hashlib
+
+    from test_study import study_run
+
+    sr = study_run(tmp_path, seeds=1)
+    configs = sr.configs()
+    per_arm = {}
+    for (arm, _), cfg in configs.items():
+        flat = {k: v for k, v in cfg.flat().items() if k not in ("seed", "train.devices", "data.final_sequences")}
+        per_arm[arm] = flat
+    before = hashlib.sha256(json.dumps([per_arm, {"tune": sr.tune}], sort_keys=True, default=str).encode()).hexdigest()[:16]
+    assert sr.fingerprint(configs) == before
+    sr.overrides["data.final_sequences"] = "100"
+    assert sr.fingerprint(sr.configs()) != before
