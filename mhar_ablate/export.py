@@ -569,7 +569,10 @@ def save_plots(table: StudyTable, folder: Path) -> list[Path]:
 
 
 def _mark_target(ax, row: dict[str, Any], axis: int, scale: float, color, y: float | None) -> None:
-    """A marker at an arm's mean steps (seconds) to the target, at the target's (mean) loss."""
+    """A marker at an arm's mean steps (seconds) to the target, at the target's (mean) loss; only where
+    every run of the arm reached it (a mean over the runs that did would sit off the arm's curve)."""
+    if not row.get("target_runs") or row.get("target_reached") != row.get("target_runs"):
+        return
     x = row.get("steps_to_target" if axis == 0 else "seconds_to_target")
     if x is not None and y is not None:
         ax.plot([x / scale if axis == 1 else x], [y], marker="o", ms=5, color=color, mec="black", mew=0.6, zorder=5)
@@ -584,7 +587,7 @@ def _target_line(ax, table: StudyTable) -> None:
 
 def _speedup_plot(table: StudyTable, plt):
     """Speed-up to the target (steps and training time) per arm with its interval; None when no arm has one."""
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
     arms = [r for r in table.rows if r.get("speedup_steps") or r.get("speedup_time")]
     if not arms:
@@ -599,10 +602,15 @@ def _speedup_plot(table: StudyTable, plt):
             err = [[m - lo], [hi - m]] if not math.isnan(lo) else None
             ax.errorbar([m], [i], xerr=err, fmt="o", capsize=3, color="C0")
         ax.axvline(1.0, color="grey", ls="--", lw=1)
+        ax.xaxis.set_major_locator(MaxNLocator(5))
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:.2f}×"))
         ax.set_xlabel(f"speed-up in {what} to target (×)")
         ax.grid(alpha=0.3)
-    axes[0].set_yticks(range(len(arms)), [r["arm"] for r in arms])
+    def label(r):  # the seeds a speed-up is over, where not all of them reached the target
+        n = max((v[3] for v in (r.get("speedup_steps"), r.get("speedup_time")) if v), default=0)
+        return r["arm"] + (f" ({n}/{r['target_runs']} seeds)" if n < r.get("target_runs", 0) else "")
+
+    axes[0].set_yticks(range(len(arms)), [label(r) for r in arms])
     axes[0].invert_yaxis()
     fig.suptitle(f"{table.name} ({table.budget} budget): speed-up over {table.baseline} to the target", fontsize=10)
     fig.tight_layout()
