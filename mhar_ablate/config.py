@@ -230,7 +230,7 @@ class DataConfig:
 # 0.0027 nats, about half of 0.005 (per-sequence spread ~0.35 nats at 512 tokens), and a paired Δ's near
 # 0.0003, where the held-out part holds that many (4.2M tokens at small; the stdlib corpus's 1 % holds 614).
 # ``tiny`` is the CPU preset whose default study must stay a few minutes long: 512 sequences (65k tokens)
-# cost 0.6-1.6 s a run on 2 CPU cores; a run's standard error there is ~0.019, a paired Δ's ~0.002.
+# cost 0.6-1.8 s a run on 2 CPU cores; a run's standard error there is ~0.019, a paired Δ's 0.002-0.005.
 # docs/benchmarks.md ("Final evaluation") has the measurement.
 FINAL_SEQUENCES = {"tiny": 512}
 FINAL_SEQUENCES_OTHER = 16_384
