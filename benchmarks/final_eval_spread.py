@@ -57,7 +57,6 @@ def main() -> None:
     import torch
 
     from mhar_ablate.config import build_config, parse_overrides
-    from mhar_ablate.training import final_eval
     from mhar_ablate.training.run import quiet_lightning, train_run
 
     quiet_lightning()

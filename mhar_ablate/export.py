@@ -415,7 +415,7 @@ def render(table: StudyTable, fmt: str) -> str:
             lines.append(table.backend_note)
         if table.missing:
             lines.append(f"Missing trials: {', '.join(table.missing)}.")
-        lines += ["", f"#### Final evaluation and time to target", "", target_text(table), "",
+        lines += ["", "#### Final evaluation and time to target", "", target_text(table), "",
                   "| " + " | ".join(FINAL_HEADERS) + " |", "|" + "|".join("---" for _ in FINAL_HEADERS) + "|"]
         lines += ["| " + " | ".join(md(c) for c in _final_cells(table, r, _Bold)) + " |" for r in table.rows
                   if not r.get("start")]
