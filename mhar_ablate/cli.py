@@ -8,6 +8,7 @@ on. No line shows a storage URL's password.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import shlex
 import sys
@@ -99,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--format", choices=("md", "latex", "csv", "json"), default="md")
     e.add_argument("--budget", choices=BUDGETS, help="one budget (default: every budget run)")
     e.add_argument("--storage", metavar="URL")
+    e.add_argument("--target-loss", type=float, metavar="LOSS", help="the validation loss the time-to-target columns "
+                   "aim at (default: each seed's baseline final loss)")
     _common(e)
 
     v = sub.add_parser("eval", help="run lm-evaluation-harness tasks on a trained run, or on every finished run of a "
@@ -324,11 +327,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .study import load_studies, study_folder
 
     output = Path(args.output)
+    if args.target_loss is not None and not (math.isfinite(args.target_loss) and args.target_loss > 0):
+        raise UsageError(f"--target-loss must be a positive finite loss, got {args.target_loss}")
     studies = load_studies(output, Path(args.name).stem, args.budget, args.storage)
     tables = []
     for study in studies:
-        text, files = export(study, args.format, study_folder(output, study, args.name))
-        tables.append(build_table(study))
+        text, files = export(study, args.format, study_folder(output, study, args.name), args.target_loss)
+        tables.append(build_table(study, args.target_loss))
         print(text)
         print(f"written: {', '.join(str(f) for f in files)}", file=sys.stderr)
     if len(tables) > 1:

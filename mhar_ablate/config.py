@@ -199,6 +199,10 @@ class DataConfig:
     vocab_size: int = 4096  # for bpe
     val_fraction: float = 0.01
     val_sequences: int = 64  # cap on the validation set (sequences of model.seq_len + 1 tokens)
+    # The final evaluation set (every run ends with one evaluation on it): this many sequences of
+    # model.seq_len + 1 tokens, spread evenly over the held-out part (capped by what it holds), the same
+    # for every arm and seed. None: the preset's default (FINAL_SEQUENCES).
+    final_sequences: int | None = None
     max_tokens: int | None = None  # truncate the corpus (after tokenising) for quick experiments
 
     def validate(self) -> None:
@@ -213,10 +217,23 @@ class DataConfig:
             raise UsageError(f"data.val_fraction must be in (0, 0.5), got {self.val_fraction}")
         if self.val_sequences < 1:
             raise UsageError(f"data.val_sequences must be at least 1, got {self.val_sequences}")
+        if self.final_sequences is not None and self.final_sequences < 0:
+            raise UsageError(f"data.final_sequences must be >= 0 (0: no final evaluation), got {self.final_sequences}")
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise UsageError(f"data.max_tokens must be positive, got {self.max_tokens}")
         if self.source not in ("stdlib",) and not self.source.startswith("hub:") and not Path(self.source).exists():
             raise UsageError(f"data.source: no such file or folder: {self.source}")
+
+
+# Default size of the final evaluation set per model preset (``data.final_sequences``), in sequences of
+# seq_len + 1 tokens. At ``small`` (and up) 16,384 sequences put the standard error of a run's loss near
+# 0.0027 nats, about half of 0.005 (per-sequence spread ~0.35 nats at 512 tokens), and a paired Δ's near
+# 0.0003, where the held-out part holds that many (4.2M tokens at small; the stdlib corpus's 1 % holds 614).
+# ``tiny`` is the CPU preset whose default study must stay a few minutes long: 512 sequences (65k tokens)
+# cost 0.6-1.8 s a run on 2 CPU cores; a run's standard error there is ~0.019, a paired Δ's 0.002-0.005.
+# docs/benchmarks.md ("Final evaluation") has the measurement.
+FINAL_SEQUENCES = {"tiny": 512}
+FINAL_SEQUENCES_OTHER = 16_384
 
 
 @dataclass
@@ -338,6 +355,12 @@ class RunConfig:
         self.optim.validate()
         self.train.validate()
         return self
+
+    def final_sequences(self) -> int:
+        """Sequences asked of the final evaluation set: ``data.final_sequences``, or the preset's default."""
+        if self.data.final_sequences is not None:
+            return self.data.final_sequences
+        return FINAL_SEQUENCES.get(self.model.preset, FINAL_SEQUENCES_OTHER)
 
     def to_dict(self) -> dict[str, Any]:
         """Nested sections, as config.yaml holds them; the residual section also holds the run's own kind's

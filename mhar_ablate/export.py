@@ -6,6 +6,10 @@ every arm spent, by model/flops.py's count), mean ± std over seeds with n; the 
 difference to the baseline arm with a 95 % t-interval over seeds; throughput relative to the baseline;
 peak memory; parameter overhead. The lowest loss in each loss column is marked. Diverged trials are
 counted but left out of the equal points (their curves end early).
+
+A second table per study: the final evaluation on the large fixed held-out set (training/final_eval.py)
+with its standard errors beside the spread over seeds, and steps and time to a target loss with the
+speed-up over the baseline (reporting/to_target.py); runs recorded before the final evaluation show –.
 """
 
 from __future__ import annotations
@@ -49,6 +53,12 @@ class TrialData:
     device: str
     backend: str
     flops_per_token: float | None = None  # model/flops.py's count (None: a trial from before it was recorded)
+    # The final evaluation on the large fixed held-out set (training/final_eval.py); None for runs
+    # recorded before it existed, and for runs that did not complete.
+    final_loss: float | None = None
+    final_se: float | None = None
+    final_sequences: int | None = None
+    final_losses: list[float] | None = field(default=None, repr=False)
 
     @property
     def usable(self) -> bool:
@@ -84,6 +94,9 @@ class StudyTable:
     shared_device: bool = False  # some trials shared a GPU (--trials-per-gpu): time and throughput are not clean
     at_flops: float | None = None  # the equal-FLOPs point; None when a trial did not record its FLOPs per token
     extra: list[ExtraColumn] = field(default_factory=list)
+    # What the time-to-target columns aim at (reporting/to_target.py): kind ("baseline": each seed's baseline
+    # final loss; "loss": one named loss), loss (the mean target), per_seed.
+    target: dict[str, Any] = field(default_factory=dict)
 
 
 def _num(v: Any) -> float | None:
@@ -126,11 +139,21 @@ def collect(study) -> tuple[dict[str, list[TrialData]], list[str]]:
             by_arm[arm].append(TrialData(arm, seed, u.get("status", "pruned" if t.state.name == "PRUNED" else "completed"),
                                          curve, _num(u.get("tokens_per_s")), _num(u.get("peak_mem_gb")), u.get("params"),
                                          _num(u.get("param_overhead_pct")), u.get("device", ""), u.get("routing_backend", ""),
-                                         per_token))
+                                         per_token, **_final_fields(u)))
     return by_arm, missing
 
 
 FLOPS_AXIS = 4  # a curve point's training FLOPs
+
+
+def _final_fields(u: dict[str, Any]) -> dict[str, Any]:
+    """A trial's final evaluation (``final_eval_*`` attributes, study.py); empty for an older trial."""
+    loss = _num(u.get("final_eval_loss"))
+    if loss is None or not math.isfinite(loss):
+        return {}
+    losses = u.get("final_eval_losses")
+    return {"final_loss": loss, "final_se": _num(u.get("final_eval_se")), "final_sequences": u.get("final_eval_sequences"),
+            "final_losses": [float(v) for v in losses] if isinstance(losses, list) else None}
 
 
 def interpolate(curve: list[tuple[float, ...]], axis: int, x: float) -> float:
@@ -162,7 +185,9 @@ def _paired(arm: list[TrialData], base: list[TrialData], axis: int, x: float) ->
     return m, half, len(diffs)
 
 
-def build_table(study) -> StudyTable:
+def build_table(study, target_loss: float | None = None) -> StudyTable:
+    """The study's table; ``target_loss``: the loss the time-to-target columns aim at (default: each
+    seed's baseline final loss, reporting/to_target.py)."""
     attrs = study.user_attrs
     trials, missing = collect(study)
     usable = [t for ts in trials.values() for t in ts if t.usable]
@@ -213,6 +238,7 @@ def build_table(study) -> StudyTable:
         rows.append({"arm": START_ROW, "n": len(source), "diverged": 0, "pruned": 0, "start": True,
                      "loss_at_steps": start, "loss_at_time": start,
                      **({"loss_at_flops": start} if at_flops is not None else {})})
+    target = _add_final_and_target(rows, trials, base_name, target_loss)
     devices = sorted({t.device for t in usable if t.device})
     # The routers that have a fused GPU kernel (plain-PyTorch variants, "pytorch", have nothing faster).
     backends = sorted({t.backend for t in usable if t.backend not in ("", "none", "pytorch")})
@@ -226,7 +252,43 @@ def build_table(study) -> StudyTable:
         note = (note + " " if note else "") + SHARED_NOTE
     return StudyTable(attrs.get("study", study.study_name), attrs.get("budget", ""), attrs.get("description", ""),
                       base_name, at_step, at_seconds, rows, missing, trials, attrs.get("curve_values", {}),
-                      attrs.get("curve"), ", ".join(devices), note, shared, at_flops)
+                      attrs.get("curve"), ", ".join(devices), note, shared, at_flops, target=target)
+
+
+def _add_final_and_target(rows: list[dict[str, Any]], trials: dict[str, list[TrialData]], base_name: str | None,
+                          target_loss: float | None) -> dict[str, Any]:
+    """Each arm's final-set loss (mean ± std over seeds, ``final_loss``), its evaluation's standard error
+    (root mean square of the runs' own, ``final_se``), the paired Δ to the baseline over seeds with its
+    95 % t-interval (``delta_final``) and the evaluation's share of that Δ's noise (``delta_final_se``:
+    per seed, the standard error of the per-sequence differences, root mean square over seeds); then the
+    time-to-target columns (``to_target``). Returns the target's description."""
+    from .reporting.to_target import to_target
+    from .training.final_eval import paired_se
+
+    usable = {arm: [t for t in ts if t.usable] for arm, ts in trials.items()}
+    base = {t.seed: t for t in usable.get(base_name or "", []) if t.final_loss is not None}
+    rms = lambda xs: math.sqrt(statistics.fmean(x * x for x in xs)) if xs else None
+    by_target, about = to_target(usable, base_name, target_loss, t95)
+    for row in rows:
+        ok = [t for t in usable.get(row["arm"], []) if t.final_loss is not None]
+        if ok:
+            row["final_n"] = len(ok)
+            row["final_loss"] = _mean_std([t.final_loss for t in ok])
+            row["final_se"] = rms([t.final_se for t in ok if t.final_se is not None and math.isfinite(t.final_se)])
+            row["final_sequences"] = min(t.final_sequences or 0 for t in ok)
+            pairs = [(t, base[t.seed]) for t in ok if t.seed in base]
+            if base_name and row["arm"] != base_name and pairs:
+                diffs = [a.final_loss - b.final_loss for a, b in pairs]
+                m = statistics.fmean(diffs)
+                half = t95(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.nan
+                row["delta_final"] = (m, half, len(diffs))
+                ses = [paired_se(a.final_losses or [], b.final_losses or []) for a, b in pairs]
+                row["delta_final_se"] = rms([x for x in ses if math.isfinite(x)])
+        row.update(by_target.get(row["arm"], {}))
+    finals = [r["final_loss"][0] for r in rows if "final_loss" in r]
+    for r in rows:
+        r["best_final_loss"] = bool(finals) and "final_loss" in r and r["final_loss"][0] == min(finals)
+    return about
 
 
 SHARED_NOTE = ("† Measured on a shared device: trials ran several at a time on one GPU (--trials-per-gpu), so the "
@@ -274,6 +336,82 @@ def _cells(table: StudyTable, row: dict[str, Any], bold) -> list[str]:
     return [row["arm"], n, loss("loss_at_steps"), delta("delta_at_steps"), loss("loss_at_time"), delta("delta_at_time"),
             loss("loss_at_flops"), delta("delta_at_flops"), f"{tvb:.2f}×" if tvb else "–", f"{mem:.1f}" if mem else "–",
             f"{pct:+.3f} %" if pct is not None else "–"]
+
+
+FINAL_HEADERS = ["arm", "n", "final-set loss", "eval SE", "Δ vs baseline", "eval SE of Δ", "steps to target",
+                 "time to target", "speed-up (steps)", "speed-up (time)"]
+
+
+def _final_cells(table: StudyTable, row: dict[str, Any], bold) -> list[str]:
+    """The cells of the final-evaluation and time-to-target table (``FINAL_HEADERS``); – where a run
+    has no final evaluation (recorded before it existed) or an arm has no such value."""
+    baseline = row["arm"] == table.baseline
+
+    def loss():
+        if "final_loss" not in row:
+            return "–"
+        m, s = row["final_loss"]
+        text = f"{m:.4f} ± {s:.4f}"
+        return bold(text) if row.get("best_final_loss") else text
+
+    def se(key):
+        v = row.get(key)
+        if v is not None:
+            return f"{v:.4f}"
+        return "(baseline)" if baseline and key == "delta_final_se" and "final_loss" in row else "–"
+
+    def delta():
+        d = row.get("delta_final")
+        if d is None:
+            return "(baseline)" if baseline and "final_loss" in row else "–"
+        m, half, _ = d
+        return f"{m:+.4f}" + (f" [{m - half:+.4f}, {m + half:+.4f}]" if not math.isnan(half) else " (n=1)")
+
+    def reached(value, fmt):
+        runs, hit = row.get("target_runs", 0), row.get("target_reached", 0)
+        if not runs:
+            return "–"
+        if not hit:
+            return "not reached"
+        return fmt(value) + (f" ({hit}/{runs} reached)" if hit < runs else "")
+
+    def speed(key):
+        v = row.get(key)
+        if v is None:
+            return "(baseline)" if baseline and row.get("target_runs") else "–"
+        m, lo, hi, _ = v
+        return f"{m:.2f}×" + (f" [{lo:.2f}, {hi:.2f}]" if not math.isnan(lo) else " (n=1)")
+
+    n = row.get("final_n", 0)
+    return [row["arm"], f"{n}" if n else "–", loss(), se("final_se"), delta(), se("delta_final_se"),
+            reached(row.get("steps_to_target"), lambda v: f"{v:.0f}"),
+            reached(row.get("seconds_to_target"), _fmt_time), speed("speedup_steps"), speed("speedup_time")]
+
+
+def target_text(table: StudyTable) -> str:
+    """What the time-to-target columns aim at, in words."""
+    t = table.target
+    if not t or t.get("loss") is None:
+        return "Time to target: no baseline arm to take a target from (name one with --target-loss)."
+    if t["kind"] == "loss":
+        return f"Target: validation loss {t['loss']:.4f} (--target-loss), for every run."
+    return (f"Target: each seed's baseline final validation loss (mean {t['loss']:.4f}), so the baseline's own time to "
+            "target is its budget.")
+
+
+FINAL_NOTE = ("Final-set loss: one evaluation at each run's end on {sequences} held-out sequences, the same for every "
+              "arm and seed; mean ± std over seeds. eval SE: a run's standard error from its per-sequence losses "
+              "(root mean square over seeds), to set beside the std over seeds; eval SE of Δ: the same for the "
+              "per-sequence differences to the baseline run of the seed (the evaluation's share of Δ's noise). "
+              "Steps and time to target: first reached on the validation curve, linear between evaluations, mean "
+              "over the runs that reached it (never extrapolated). Speed-up: baseline's steps (time) to target / "
+              "the arm's, paired by seed; geometric mean with a 95 % t-interval on the logarithms.")
+
+
+def _final_note(table: StudyTable) -> str:
+    counts = sorted({r["final_sequences"] for r in table.rows if r.get("final_sequences")})
+    what = "/".join(f"{c:,}" for c in counts) if counts else "the"
+    return FINAL_NOTE.format(sequences=what)
 
 
 class _Bold(str):
@@ -340,6 +478,11 @@ def render(table: StudyTable, fmt: str) -> str:
             lines.append(table.backend_note)
         if table.missing:
             lines.append(f"Missing trials: {', '.join(table.missing)}.")
+        lines += ["", "#### Final evaluation and time to target", "", target_text(table), "",
+                  "| " + " | ".join(FINAL_HEADERS) + " |", "|" + "|".join("---" for _ in FINAL_HEADERS) + "|"]
+        lines += ["| " + " | ".join(md(c) for c in _final_cells(table, r, _Bold)) + " |" for r in table.rows
+                  if not r.get("start")]
+        lines += ["", _final_note(table)]
         return "\n".join(lines) + "\n"
     if fmt == "latex":
         esc = latex_escape
@@ -352,6 +495,14 @@ def render(table: StudyTable, fmt: str) -> str:
         lines += [r"\bottomrule", r"\end{tabular}",
                   r"\caption{" + esc(f"{table.name}, {table.budget} budget. Mean ± std over seeds; Δ: paired difference "
                                      "to the baseline with a 95 % t-interval; bold: lowest loss.") + "}", r"\end{table}"]
+        fhead = [esc(h) for h in FINAL_HEADERS]
+        lines += ["", r"\begin{table}[t]", r"\centering", r"\small", r"\begin{tabular}{l" + "r" * (len(fhead) - 1) + "}",
+                  r"\toprule", " & ".join(fhead) + r" \\", r"\midrule"]
+        lines += [" & ".join(cell(c) for c in _final_cells(table, r, _Bold)) + r" \\" for r in table.rows
+                  if not r.get("start")]
+        lines += [r"\bottomrule", r"\end{tabular}",
+                  r"\caption{" + esc(f"{table.name}, {table.budget} budget: final evaluation and time to target. "
+                                     f"{target_text(table)} {_final_note(table)}") + "}", r"\end{table}"]
         return "\n".join(lines) + "\n"
     if fmt == "csv":
         buf = io.StringIO()
@@ -360,7 +511,8 @@ def render(table: StudyTable, fmt: str) -> str:
                     "loss_at_time_mean", "loss_at_time_std", "delta_at_time", "delta_at_time_ci95", "throughput_vs_baseline",
                     "tokens_per_s", "peak_mem_gb", "param_overhead_pct", "best_at_steps", "best_at_time", "at_step", "at_seconds",
                     "shared_device", "loss_at_flops_mean", "loss_at_flops_std", "delta_at_flops", "delta_at_flops_ci95",
-                    "best_at_flops", "at_flops", *(f"{c.key}_{part}" for c in table.extra for part in ("mean", "std", "n"))])
+                    "best_at_flops", "at_flops", *(f"{c.key}_{part}" for c in table.extra for part in ("mean", "std", "n")),
+                    *FINAL_CSV])
         for r in table.rows:
             ls, lt = r.get("loss_at_steps", (None, None)), r.get("loss_at_time", (None, None))
             ds, dt = r.get("delta_at_steps") or (None, None, 0), r.get("delta_at_time") or (None, None, 0)
@@ -369,7 +521,7 @@ def render(table: StudyTable, fmt: str) -> str:
                         r.get("tokens_per_s"), r.get("peak_mem_gb"), r.get("param_overhead_pct"),
                         r.get("best_loss_at_steps", False), r.get("best_loss_at_time", False), table.at_step, table.at_seconds,
                         table.shared_device, *lf, df[0], df[1], r.get("best_loss_at_flops", False), table.at_flops,
-                        *(x for c in table.extra for x in c.values.get(r["arm"], (None, None, 0)))])
+                        *(x for c in table.extra for x in c.values.get(r["arm"], (None, None, 0))), *_final_csv(table, r)])
         return buf.getvalue()
     if fmt == "json":
         def clean(v):
@@ -384,10 +536,28 @@ def render(table: StudyTable, fmt: str) -> str:
                            "missing": table.missing, "note": table.backend_note, "shared_device": table.shared_device,
                            "extra_columns": [{"header": c.header, "key": c.key, "higher_is_better": c.higher_is_better}
                                              for c in table.extra],
+                           "target": {k: clean(v) if not isinstance(v, dict) else {str(s): x for s, x in v.items()}
+                                      for k, v in table.target.items()},
                            "rows": [{**{k: clean(v) for k, v in r.items()},
                                      **{c.key: clean(c.values.get(r["arm"])) for c in table.extra}}
                                     for r in table.rows]}, indent=2) + "\n"
     raise UsageError(f"unknown format {fmt!r}: choose one of {', '.join(FORMATS)}")
+
+
+FINAL_CSV = ["final_n", "final_loss_mean", "final_loss_std", "final_se", "final_sequences", "delta_final",
+             "delta_final_ci95", "delta_final_se", "target_loss", "target_runs", "target_reached", "steps_to_target",
+             "seconds_to_target", "speedup_steps", "speedup_steps_lo", "speedup_steps_hi", "speedup_time",
+             "speedup_time_lo", "speedup_time_hi"]
+
+
+def _final_csv(table: StudyTable, r: dict[str, Any]) -> list[Any]:
+    """The ``FINAL_CSV`` columns of a row (empty where there is no value)."""
+    fl = r.get("final_loss", (None, None))
+    df = r.get("delta_final") or (None, None, 0)
+    ss, st = r.get("speedup_steps") or (None,) * 4, r.get("speedup_time") or (None,) * 4
+    return [r.get("final_n"), *fl, r.get("final_se"), r.get("final_sequences"), df[0], df[1], r.get("delta_final_se"),
+            (table.target or {}).get("loss"), r.get("target_runs"), r.get("target_reached"), r.get("steps_to_target"),
+            r.get("seconds_to_target"), *ss[:3], *st[:3]]
 
 
 # --------------------------------------------------------------------------- plots
@@ -410,6 +580,7 @@ def save_plots(table: StudyTable, folder: Path) -> list[Path]:
     written: list[Path] = []
     longest = max((t.curve[-1][1] for ts in table.trials.values() for t in ts if t.usable), default=1.0)
     scale, unit = _time_unit(longest)
+    by_arm = {r["arm"]: r for r in table.rows}
     axes = [(0, "loss_vs_steps.png", "optimiser step"), (1, "loss_vs_time.png", f"training time ({unit})")]
     if table.at_flops is not None:
         axes.append((FLOPS_AXIS, "loss_vs_flops.png", "training FLOPs"))
@@ -427,6 +598,8 @@ def save_plots(table: StudyTable, folder: Path) -> list[Path]:
             (line,) = ax.plot(px, mean, label=arm, lw=1.6, ls="--" if arm == table.baseline else "-")
             if len(ok) > 1:
                 ax.fill_between(px, [min(c) for c in zip(*ys)], [max(c) for c in zip(*ys)], color=line.get_color(), alpha=0.15)
+            _mark_target(ax, by_arm.get(arm, {}), axis, scale, line.get_color(), (table.target or {}).get("loss"))
+        _target_line(ax, table)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("validation loss")
         per = {0: "step", 1: "unit of training time", FLOPS_AXIS: "training FLOP"}[axis]
@@ -437,6 +610,10 @@ def save_plots(table: StudyTable, folder: Path) -> list[Path]:
         fig.tight_layout()
         written.append(_save(fig, folder / fname))
         plt.close(fig)
+    speedups = _speedup_plot(table, plt)
+    if speedups is not None:
+        written.append(_save(speedups, folder / "speedup_to_target.png"))
+        plt.close(speedups)
     points = {arm: v for arm, v in table.curve_values.items() if v is not None}
     if points:
         fig, ax = plt.subplots(figsize=(5.6, 4.0))
@@ -467,6 +644,55 @@ def save_plots(table: StudyTable, folder: Path) -> list[Path]:
     return written
 
 
+def _mark_target(ax, row: dict[str, Any], axis: int, scale: float, color, y: float | None) -> None:
+    """A marker at an arm's mean steps (seconds) to the target, at the target's (mean) loss; only where
+    every run of the arm reached it (a mean over the runs that did would sit off the arm's curve)."""
+    if axis not in (0, 1) or not row.get("target_runs") or row.get("target_reached") != row.get("target_runs"):
+        return
+    x = row.get("steps_to_target" if axis == 0 else "seconds_to_target")
+    if x is not None and y is not None:
+        ax.plot([x / scale if axis == 1 else x], [y], marker="o", ms=5, color=color, mec="black", mew=0.6, zorder=5)
+
+
+def _target_line(ax, table: StudyTable) -> None:
+    loss = (table.target or {}).get("loss")
+    if loss is not None:
+        what = "target (baseline final, mean)" if table.target.get("kind") == "baseline" else "target"
+        ax.axhline(loss, color="grey", ls=":", lw=1, label=what)
+
+
+def _speedup_plot(table: StudyTable, plt):
+    """Speed-up to the target (steps and training time) per arm with its interval; None when no arm has one."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    arms = [r for r in table.rows if r.get("speedup_steps") or r.get("speedup_time")]
+    if not arms:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(8.4, 0.5 * len(arms) + 1.8), sharey=True)
+    for ax, key, what in ((axes[0], "speedup_steps", "steps"), (axes[1], "speedup_time", "training time")):
+        for i, r in enumerate(arms):
+            v = r.get(key)
+            if v is None:
+                continue
+            m, lo, hi, _ = v
+            err = [[m - lo], [hi - m]] if not math.isnan(lo) else None
+            ax.errorbar([m], [i], xerr=err, fmt="o", capsize=3, color="C0")
+        ax.axvline(1.0, color="grey", ls="--", lw=1)
+        ax.xaxis.set_major_locator(MaxNLocator(5))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:.2f}×"))
+        ax.set_xlabel(f"speed-up in {what} to target (×)")
+        ax.grid(alpha=0.3)
+    def label(r):  # the seeds a speed-up is over, where not all of them reached the target
+        n = max((v[3] for v in (r.get("speedup_steps"), r.get("speedup_time")) if v), default=0)
+        return r["arm"] + (f" ({n}/{r['target_runs']} seeds)" if n < r.get("target_runs", 0) else "")
+
+    axes[0].set_yticks(range(len(arms)), [label(r) for r in arms])
+    axes[0].invert_yaxis()
+    fig.suptitle(f"{table.name} ({table.budget} budget): speed-up over {table.baseline} to the target", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def _zoom(ax, table: StudyTable) -> None:
     """Early losses dwarf the differences between arms: show the last 80 % of the range of final losses."""
     finals = [t.curve[-1][3] for ts in table.trials.values() for t in ts if t.usable]
@@ -484,11 +710,12 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def export(study, fmt: str, folder: Path) -> tuple[str, list[Path]]:
-    """Render ``study`` as ``fmt``; write the table and the plots into ``folder``; return (text, files)."""
+def export(study, fmt: str, folder: Path, target_loss: float | None = None) -> tuple[str, list[Path]]:
+    """Render ``study`` as ``fmt``; write the table and the plots into ``folder``; return (text, files).
+    ``target_loss``: the time-to-target columns' target (default: each seed's baseline final loss)."""
     from .evaluation.columns import add_eval_columns
 
-    table = build_table(study)
+    table = build_table(study, target_loss)
     add_eval_columns(table, folder)
     text = render(table, fmt)
     path = folder / f"table.{EXT[fmt]}"

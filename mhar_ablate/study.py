@@ -241,13 +241,16 @@ class StudyRun:
 
     def fingerprint(self, configs: dict[tuple[str, int], RunConfig]) -> str:
         """Identity of what the study measures: the arms' configs minus the seed."""
-        # train.devices=1 and train.flops=None are left out so that studies from before the keys existed keep
-        # their identity.
-        per_arm = {arm: {k: v for k, v in cfg.flat().items()
-                         if k != "seed" and (k, v) not in (("train.devices", 1), ("train.flops", None))}
+        # Keys at the value that reproduces what ran before they existed are left out, so that studies from
+        # before them keep their identity.
+        per_arm = {arm: {k: v for k, v in cfg.flat().items() if k != "seed" and (k, v) not in NEW_KEY_DEFAULTS}
                    for (arm, seed), cfg in configs.items() if seed == 0}
         extra = {"tune": self.tune}
         return hashlib.sha256(json.dumps([per_arm, extra], sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# (key, value) pairs a study's fingerprint leaves out: keys added after studies existed, at their defaults.
+NEW_KEY_DEFAULTS = (("train.devices", 1), ("train.flops", None), ("data.final_sequences", None))
 
 
 # --------------------------------------------------------------------------- storage
@@ -697,8 +700,19 @@ def _record(trial, result: dict[str, Any]) -> None:
         "param_overhead_pct": result["param_overhead_pct"], "device": result["device"],
         "routing_backend": result["routing_backend"], "environment": result.get("environment"),
     }
+    attrs.update(_final_eval_attrs(result.get("final_eval")))
     for k, v in attrs.items():
         trial.set_user_attr(k, _finite_or_str(v))
+
+
+def _final_eval_attrs(final: dict[str, Any] | None) -> dict[str, Any]:
+    """The final evaluation's numbers as trial attributes (``final_eval_*``); its per-sequence losses too,
+    so that the export can take the evaluation's noise out of paired differences between arms."""
+    if not final:
+        return {}
+    out = {f"final_eval_{k}": final.get(k) for k in ("loss", "se", "sequences", "tokens", "seconds", "asked")}
+    out["final_eval_losses"] = final.get("sequence_losses")
+    return out
 
 
 def _finite_or_str(v: Any) -> Any:

@@ -261,8 +261,11 @@ def work(sr, study, configs, tuned: dict[str, float], slot: Slot, log: Callable[
         if not sr.keep_checkpoints:  # result.json is written: a rerun that finds it needs no checkpoint
             drop_checkpoints(run_dir)
         summary["ran"] += 1
+        final = result.get("final_eval")
         log(f"{title}{status}, val loss {result['final_val_loss']:.4f} at step {result['step']}, "
-            f"{result['seconds']:.1f}s trained, {result['tokens_per_s'] or 0:,.0f} tokens/s")
+            f"{result['seconds']:.1f}s trained, {result['tokens_per_s'] or 0:,.0f} tokens/s"
+            + (f", final-set loss {final['loss']:.4f} ± {final['se']:.4f} ({final['sequences']:,} sequences)"
+               if final else ""))
         if status == "pruned":
             summary["pruned"] += 1
             raise optuna.TrialPruned()

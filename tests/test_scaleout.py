@@ -209,6 +209,8 @@ def test_ddp_with_two_cpu_processes_stops_every_rank_on_the_same_step(tmp_path):
     a, b = result["rank_weight_sums"]
     assert a == pytest.approx(b, rel=0, abs=1e-9), "DDP kept the two replicas identical"
     assert result["tokens"] == result["step"] * 4 * 32  # the global batch (4 x 32 tokens), not a rank's half
+    final = result["final_eval"]  # each rank evaluated every other batch of the final set; together, every row
+    assert final["sequences"] > 4 and all(v > 0 for v in final["sequence_losses"])
 
 
 # --------------------------------------------------------------------------- planning and reporting

@@ -75,6 +75,7 @@ def test_study_interrupt_resume_rerun_and_export(tmp_path, capsys, monkeypatch, 
     resumed = json.loads((interrupted[0] / "result.json").read_text())
     assert resumed["status"] == "completed" and resumed["step"] == 6
     assert resumed["curve"][0]["step"] == 0  # the curve kept its points from before the interruption
+    assert resumed["final_eval"]["sequences"] == 512  # the tiny preset's final set, after the resume too
 
     third = run_study(sr, log=lines.append)
     assert third["ran"] == 0 and third["done"] == 4
@@ -94,6 +95,8 @@ def test_study_interrupt_resume_rerun_and_export(tmp_path, capsys, monkeypatch, 
     out = capsys.readouterr().out
     rows = list(csv.DictReader(io.StringIO(out)))
     assert {r["arm"] for r in rows} == {"baseline", "mhar-h2"}
+    assert all(float(r["final_loss_mean"]) > 0 and float(r["final_se"]) > 0 for r in rows)
+    assert rows[0]["target_reached"] == "2"  # the baseline reaches its own final loss, by definition
     for name in ("table.csv", "loss_vs_steps.png", "loss_vs_time.png", "pair_curve.png"):
         assert (sr.folder / name).stat().st_size > 0, name
     assert main(["export", "pair", "--output", str(sr.output), "--format", "latex"]) == 0

@@ -2,7 +2,9 @@
 
 Training is an endless stream in which batch ``i`` depends only on ``(seed, i)``; it starts at
 ``start_step``, which the trainer sets when resuming. Validation is the same list of batches for every
-arm and seed of a study that shares the data config, ``seq_len`` and the ``eval_batches`` cap.
+arm and seed of a study that shares the data config, ``seq_len`` and the ``eval_batches`` cap. The
+final evaluation set (``final_sequences`` windows, evaluated once at a run's end) is likewise a function
+of the held-out part, ``seq_len`` and its size only: never of the seed or the arm.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ..config import DataConfig
 from .corpus import Corpus, fitting_windows, load_corpus
-from .sampling import split_xy, train_batch
+from .sampling import split_xy, train_batch, validation_windows
 from .tokenizer import Tokenizer
 
 _NOT_SET_UP = "TokenDataModule: call setup() first"
@@ -61,7 +63,7 @@ class TokenDataModule(lightning.LightningDataModule):
     """Token windows of ``seq_len + 1`` tokens from ``cfg``'s corpus, as (x, y) int64 batches."""
 
     def __init__(self, cfg: DataConfig, seq_len: int, batch_size: int, seed: int, cache_dir: str | Path,
-                 eval_batches: int | None = None):
+                 eval_batches: int | None = None, final_sequences: int = 0):
         super().__init__()
         if seq_len < 1 or batch_size < 1 or (eval_batches is not None and eval_batches < 1):
             raise ValueError(f"seq_len, batch_size and eval_batches must be positive, "
@@ -72,10 +74,12 @@ class TokenDataModule(lightning.LightningDataModule):
         self.seed = seed
         self.cache_dir = Path(cache_dir)
         self.eval_batches = eval_batches
+        self.final_sequences = final_sequences
         self.start_step = 0
         self.rank, self.world = 0, 1  # set by a DDP run: which slice of each global batch this process trains on
         self._corpus: Corpus | None = None
         self._val: np.ndarray | None = None
+        self._final: np.ndarray | None = None
 
     def prepare_data(self) -> None:
         load_corpus(self.cfg, self.cache_dir)
@@ -87,6 +91,9 @@ class TokenDataModule(lightning.LightningDataModule):
             # Fewer windows, still spread over the whole held-out part rather than bunched at its start.
             count = min(count, self.eval_batches * self.batch_size)
         self._corpus, self._val = corpus, fitting_windows(self.cfg, corpus, self.seq_len, count)
+        # Evenly spaced over the whole held-out part (as far apart as its size allows, so that neighbouring
+        # sequences share as little of a document as possible); capped by the windows it holds.
+        self._final = validation_windows(corpus.val, self.seq_len, self.final_sequences)
 
     @property
     def corpus(self) -> Corpus:
@@ -114,6 +121,13 @@ class TokenDataModule(lightning.LightningDataModule):
             raise RuntimeError(_NOT_SET_UP)
         return self._val
 
+    @property
+    def final_windows(self) -> np.ndarray:
+        """The final evaluation set, shape (n, seq_len + 1), int64; n = 0 when it is switched off."""
+        if self._final is None:
+            raise RuntimeError(_NOT_SET_UP)
+        return self._final
+
     def batch_at(self, step: int) -> tuple[Tensor, Tensor]:
         """Training batch number ``step`` (0-based): a function of ``(seed, step)`` only."""
         return train_batch(self.corpus.train, self.seed, step, self.batch_size, self.seq_len)
@@ -125,6 +139,11 @@ class TokenDataModule(lightning.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(_ValBatches(self.val_windows, self.batch_size), batch_size=None, shuffle=False,
+                          num_workers=0)
+
+    def final_dataloader(self) -> DataLoader:
+        """The final evaluation set in batches of ``batch_size`` sequences, in order."""
+        return DataLoader(_ValBatches(self.final_windows, self.batch_size), batch_size=None, shuffle=False,
                           num_workers=0)
 
     def describe(self) -> str:

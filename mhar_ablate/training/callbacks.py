@@ -48,12 +48,15 @@ class BudgetCallback(L.Callback):
                  checkpoint: Path, tokens_per_step: int, flops_per_token: float,
                  on_eval: Callable[[int, float, float], bool] | None = None, stop: StopRequest | None = None,
                  log: Callable[[str], None] | None = print, title: str = "", checkpoint_every: float = 0.0,
-                 log_every: int = 20):
+                 log_every: int = 20, final_batches: Callable[[], Iterable] | None = None, seq_len: int = 0):
         self.budget, self.eval_every, self.heatmap_every = budget, eval_every, heatmap_every
         self.val_batches, self.checkpoint = val_batches, checkpoint
         self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
         self.on_eval, self.stop, self.emit, self.title = on_eval, stop if stop is not None else StopRequest(), log, title
         self.checkpoint_every, self.log_every = checkpoint_every, log_every
+        # The final evaluation set (final_eval.py), evaluated once when the run completes; None: none.
+        self.final_batches, self.seq_len = final_batches, seq_len
+        self.final_eval: dict[str, Any] | None = None
         self._last_save = time.monotonic()
         self._last_read = 0  # global step of the last read-out
         self._prepared = False
@@ -72,12 +75,13 @@ class BudgetCallback(L.Callback):
     # ------------------------------------------------------------------ state carried by checkpoints
     def state_dict(self) -> dict[str, Any]:
         return {"curve": self.curve, "next_eval": self.next_eval, "ema": self.ema, "origin": self.origin,
-                "throughput": self.throughput}
+                "throughput": self.throughput, "final_eval": self.final_eval}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.curve = list(state["curve"])
         self.next_eval, self.ema, self.origin = state["next_eval"], state["ema"], state["origin"]
         self.throughput = state.get("throughput")
+        self.final_eval = state.get("final_eval")
 
     # ------------------------------------------------------------------ hooks
     def on_train_start(self, trainer: L.Trainer, module: LMModule) -> None:
@@ -258,10 +262,26 @@ class BudgetCallback(L.Callback):
     def _finish(self, trainer: L.Trainer, module: LMModule, status: str, reason: str) -> None:
         self.status, self.reason = status, reason
         trainer.should_stop = True
+        if status == "completed":
+            self._final_evaluate(module)  # before the final checkpoint, which then records it
         if status in ("completed", "interrupted"):
             self._save(trainer)
         if reason and self.emit is not None:
             self.emit(f"{self.title}{status}: {reason}")
+
+
+    def _final_evaluate(self, module: LMModule) -> None:
+        """The final evaluation (final_eval.py), once; outside the clock, as every evaluation is."""
+        if self.final_eval is not None or self.final_batches is None:
+            return
+        from .final_eval import describe, evaluate
+
+        final = evaluate(module.model, self.final_batches(), module.device, module.autocast, self.seq_len)
+        if not final["sequences"]:
+            return
+        self.final_eval = final
+        if self.emit is not None:
+            self.emit(f"{self.title}{describe(final)}")
 
 
 class ProgressBar(L.Callback):

@@ -89,6 +89,13 @@ def agree_eval(loss: float, prune: bool) -> tuple[float, bool]:
     return out[0], out[1] > 0
 
 
+def sum_rows(values: list[float]) -> list[float]:
+    """The element-wise sum of ``values`` over the ranks (each rank fills the rows it computed, zeros elsewhere)."""
+    if world()[1] == 1:
+        return list(values)
+    return _reduce(values, "sum")
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -4,7 +4,8 @@ the data, the Lightning Trainer, resume from the folder's own checkpoint, and a 
 A run folder holds ``config.yaml`` (the resolved configuration), ``tb/`` (TensorBoard), ``checkpoints/
 last.ckpt`` (written atomically at every evaluation, every ``train.checkpoint_every`` seconds between
 them, on a stop and at the end), ``result.json`` (status, the (step, seconds, tokens, loss) curve,
-throughput, memory, parameters, the library versions) and ``routing.png`` (the final depth weights of a
+the final evaluation on the large held-out set with its standard error, throughput, memory, parameters,
+the library versions) and ``routing.png`` (the final depth weights of a
 routed model).
 
 Continuing a folder (``resume``) never loses or rewrites a result: a finished run's ``result.json`` is
@@ -118,8 +119,9 @@ def finished_result(run_dir: Path) -> dict[str, Any] | None:
     if not isinstance(result, dict) or result.get("status") not in FINISHED:
         return None
     # Strict JSON holds a non-finite loss as its string ("nan", "inf"): back to the float it was.
-    for point in [result, *(p for p in result.get("curve") or [] if isinstance(p, dict))]:
-        for key in ("final_val_loss", "val_loss", "seconds"):
+    final = result.get("final_eval") if isinstance(result.get("final_eval"), dict) else {}
+    for point in [result, final, *(p for p in result.get("curve") or [] if isinstance(p, dict))]:
+        for key in ("final_val_loss", "val_loss", "seconds", "loss", "se"):
             if isinstance(point.get(key), str):
                 try:
                     point[key] = float(point[key])
@@ -175,7 +177,7 @@ class CheckpointRecord(L.Callback):
         checkpoint[RECORD] = {
             "identity": identity(self.cfg), "arm": arm_label(self.cfg), "seed": self.cfg.seed,
             "status": cb.status, "reason": cb.reason, "seconds": module.clock.elapsed, "curve": list(cb.curve),
-            "peak_mem_gb": cb.peak_mem_gb,
+            "peak_mem_gb": cb.peak_mem_gb, "final_eval": cb.final_eval,
             "routing_weights": None if weights is None else [w.detach().float().cpu() for w in weights],
             "run_mode": _run_mode(module, cb), "environment": environment(), "saved_at": time.time(),
         }
@@ -255,7 +257,8 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
     budget_cb = BudgetCallback(budget, cfg.train.eval_every, cfg.train.heatmap_every, dm.val_dataloader, ckpt,
                                tokens_per_step, info["flops_per_token"], on_eval=on_eval if lead else None,
                                stop=stop if lead else None, log=log if log_evals and lead else None, title=title,
-                               checkpoint_every=cfg.train.checkpoint_every, log_every=cfg.train.log_every)
+                               checkpoint_every=cfg.train.checkpoint_every, log_every=cfg.train.log_every,
+                               final_batches=dm.final_dataloader, seq_len=cfg.model.seq_len)
     ddp = cfg.train.devices > 1
     # Under DDP a rank that raised alone would leave the others waiting: the folder is only watched on one process.
     record_cb = CheckpointRecord(cfg, budget_cb, run_dir, watch_folder=not ddp)
@@ -294,7 +297,8 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
 
     weights = module.model.residual.last_weights()
     result = _result(budget_cb.status, budget_cb.reason, trainer.global_step, module.clock.elapsed, budget_cb.curve,
-                     budget_cb.peak_mem_gb, weights if lead else None, _run_mode(module, budget_cb), **info)
+                     budget_cb.peak_mem_gb, weights if lead else None, _run_mode(module, budget_cb),
+                     final_eval=budget_cb.final_eval, **info)
     if cfg.train.devices > 1:  # DDP keeps the replicas equal: the launcher compares these across ranks
         result["weights_sum"] = float(sum(p.detach().double().sum() for p in module.parameters()))
     if not lead:
@@ -323,7 +327,7 @@ def _prepare(cfg: RunConfig, run_dir: Path, cache_dir: Path, resume: bool, log, 
         torch.set_num_threads(cfg.train.threads)
     # Data first: a bad data path fails before a run folder exists.
     dm = TokenDataModule(cfg.data, cfg.model.seq_len, cfg.train.batch_size, cfg.seed, cache_dir,
-                         eval_batches=cfg.train.eval_batches)
+                         eval_batches=cfg.train.eval_batches, final_sequences=cfg.final_sequences())
     dm.rank, dm.world = rank, cfg.train.devices
     dm.prepare_data()
     dm.setup("fit")
@@ -391,7 +395,7 @@ def _run_mode(module: LMModule, budget_cb: BudgetCallback) -> dict[str, Any]:
 def _result(status: str, reason: str, step: int, seconds: float, curve: list[dict[str, float]],
             peak_mem_gb: float | None, weights, run_mode: dict[str, Any], *, cfg: RunConfig, budget: Budget,
             tokens_per_step: int, params: int, flops_per_token: float, base_params: int, overhead: float, dm,
-            started: float) -> dict[str, Any]:
+            started: float, final_eval: dict[str, Any] | None = None) -> dict[str, Any]:
     result = {
         "status": status,
         "reason": reason,
@@ -420,6 +424,10 @@ def _result(status: str, reason: str, step: int, seconds: float, curve: list[dic
         "data": dm.describe(),
         "environment": environment(),
     }
+    # The final evaluation (final_eval.py): loss, standard error, sequences and tokens, seconds (outside the
+    # clock), how many sequences were asked for (the held-out part may hold fewer), per-sequence losses.
+    # None where the run did not complete (or was recorded before the final evaluation existed).
+    result["final_eval"] = None if final_eval is None else {**final_eval, "asked": cfg.final_sequences()}
     if weights is not None:
         result["routing_weights"] = [w.tolist() for w in weights]
     return result
@@ -432,7 +440,8 @@ def _finish_from_record(run_dir: Path, record: dict[str, Any], step: int, second
     cfg = info["cfg"]
     weights = record.get("routing_weights")
     result = _result("completed", "", step, float(record.get("seconds", seconds)), list(record.get("curve") or []),
-                     record.get("peak_mem_gb"), weights, dict(record.get("run_mode") or {}), **info)
+                     record.get("peak_mem_gb"), weights, dict(record.get("run_mode") or {}),
+                     final_eval=record.get("final_eval"), **info)
     if weights is not None:
         _save_heatmap(run_dir, weights, arm_label(cfg))
     logger = TensorBoardLogger(str(run_dir), name="tb", version="", default_hp_metric=False)
@@ -444,8 +453,10 @@ def _finish_from_record(run_dir: Path, record: dict[str, Any], step: int, second
 
 
 def _log_final_hparams(logger: TensorBoardLogger, cfg: RunConfig, result: dict[str, Any]) -> None:
-    logger.log_hyperparams(_hparams(cfg), {"hparams/final_val_loss": result["final_val_loss"],
-                                           "hparams/tokens_per_s": result["tokens_per_s"] or 0.0})
+    metrics = {"hparams/final_val_loss": result["final_val_loss"], "hparams/tokens_per_s": result["tokens_per_s"] or 0.0}
+    if result.get("final_eval"):
+        metrics["hparams/final_eval_loss"] = result["final_eval"]["loss"]
+    logger.log_hyperparams(_hparams(cfg), metrics)
 
 
 def _release(module: LMModule, trainer: L.Trainer) -> None:

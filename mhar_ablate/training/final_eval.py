@@ -1,0 +1,89 @@
+"""The final evaluation: every completed run ends with one evaluation on a large fixed held-out set
+(``data.final_sequences`` windows, the same for every arm and seed), precise enough for gaps of a few
+thousandths of a nat, which the periodic evaluations (at most ``train.eval_batches`` batches) are not.
+
+The unit of the statistics is the **sequence**: a run's loss on the set is the mean over sequences of
+each sequence's mean next-token loss (every sequence has ``seq_len`` targets, so this equals the mean
+over tokens), and its standard error is the standard deviation of the per-sequence losses over the
+square root of their number. Per-token losses would understate it badly: the tokens of one sequence
+share their document and their context, so they are far from independent (a sequence of code is easy
+or hard as a whole). Sequences are spread evenly over the held-out part, as far apart as its size
+allows; where it holds few documents, neighbouring sequences still share one, and the standard error
+reads as a lower bound (docs/benchmarks.md, "Final evaluation", measures how much).
+
+Arms are compared on the same sequences, so the evaluation's noise in a difference between two runs is
+the standard error of the per-sequence differences (``paired_se``), much smaller than either run's own:
+a sequence hard for one model is hard for the other. Runs evaluate outside the training clock.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import distributed
+
+
+def summarize(losses: Sequence[float], seq_len: int) -> dict[str, Any]:
+    """Loss, standard error and size of a final evaluation from its per-sequence losses."""
+    n = len(losses)
+    mean = statistics.fmean(losses) if n else math.nan
+    se = statistics.stdev(losses) / math.sqrt(n) if n > 1 else math.nan
+    return {"loss": mean, "se": se, "sequences": n, "tokens": n * seq_len}
+
+
+def paired_se(a: Sequence[float], b: Sequence[float]) -> float:
+    """Standard error of the mean per-sequence difference ``a - b`` of two runs on the same sequences;
+    nan unless both hold the same number (> 1) of sequences."""
+    if len(a) != len(b) or len(a) < 2:
+        return math.nan
+    return statistics.stdev([x - y for x, y in zip(a, b)]) / math.sqrt(len(a))
+
+
+def sequence_losses(model: torch.nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    """Each row's mean next-token cross-entropy, shape (batch,), in float32."""
+    logits = model(x)
+    per_token = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
+    return per_token.view(y.shape).mean(dim=1)
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: Iterable[tuple[Tensor, Tensor]], device: torch.device,
+             autocast: Callable[[], Any], seq_len: int) -> dict[str, Any]:
+    """Run the final evaluation: the summary (``summarize``), its seconds, and the per-sequence losses
+    (``sequence_losses``, rounded to 6 decimals: a difference of 1e-6 nats is far below any gap). Under
+    DDP each rank evaluates every ``world``-th batch and the ranks share their rows, so every rank
+    returns the whole set's result."""
+    t0 = time.perf_counter()
+    rank, world = distributed.world()
+    was_training = model.training
+    model.eval()
+    rows: list[float] = []
+    for k, (x, y) in enumerate(batches):
+        if k % world == rank:
+            with autocast():
+                values = sequence_losses(model, x.to(device), y.to(device))
+            rows.extend(values.double().tolist())
+        else:
+            rows.extend([0.0] * len(x))
+    model.train(was_training)
+    if world > 1:  # every rank holds zeros where another rank evaluated: summing gives every row once
+        rows = distributed.sum_rows(rows)
+    rows = [round(v, 6) for v in rows]
+    result = summarize(rows, seq_len)
+    result["seconds"] = time.perf_counter() - t0
+    result["sequence_losses"] = rows
+    return result
+
+
+def describe(final: dict[str, Any]) -> str:
+    """One line for the run's log."""
+    return (f"final evaluation: loss {final['loss']:.4f} ± {final['se']:.4f} (standard error) over "
+            f"{final['sequences']:,} sequences ({final['tokens']:,} tokens), {final['seconds']:.1f} s")
