@@ -289,29 +289,31 @@ def _row_summary(row: dict) -> str:
     return f"{row['step_ms']:.1f} ms/step, {row['tokens_per_s']:,.0f} tokens/s{peak}{split}"
 
 
+def cell(x, fmt: str) -> str:
+    """A table cell: the value formatted, or – where it is missing."""
+    return "–" if x is None else format(x, fmt)
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                     + ["| " + " | ".join(r) + " |" for r in rows])
+
+
 def render_table(rows: list[dict]) -> str:
     """The rows as a Markdown table (what ``docs/benchmarks.md`` shows)."""
-    head = ("| variant | sites/pass | tokens/s | × baseline | × fastest baseline | peak GB | × baseline peak "
-            "| step ms | routing ms | rest ms | kernel ms | status |")
-    lines = [head, "|" + "---|" * 12]
-
-    def f(x, fmt):
-        return "–" if x is None else format(x, fmt)
-
-    for r in rows:
-        lines.append(f"| {r['variant']} | {f(r['sites_per_pass'], 'd')} | {f(r['tokens_per_s'], ',.0f')} "
-                     f"| {f(r['ratio_to_baseline'], '.3f')} | {f(r['ratio_to_fastest_baseline'], '.3f')} "
-                     f"| {f(r['peak_gb'], '.1f')} "
-                     f"| {f(r.get('peak_ratio_to_baseline'), '.3f')} | {f(r['step_ms'], '.1f')} "
-                     f"| {f(r['routing_ms'], '.1f')} | {f(r['rest_ms'], '.1f')} | {f(r['kernel_ms'], '.1f')} "
-                     f"| {r['status']} |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["variant", "sites/pass", "tokens/s", "× baseline", "× fastest baseline", "peak GB", "× baseline peak",
+         "step ms", "routing ms", "rest ms", "kernel ms", "status"],
+        [[r["variant"], cell(r["sites_per_pass"], "d"), cell(r["tokens_per_s"], ",.0f"), cell(r["ratio_to_baseline"], ".3f"),
+          cell(r["ratio_to_fastest_baseline"], ".3f"), cell(r["peak_gb"], ".1f"), cell(r.get("peak_ratio_to_baseline"), ".3f"),
+          cell(r["step_ms"], ".1f"), cell(r["routing_ms"], ".1f"), cell(r["rest_ms"], ".1f"), cell(r["kernel_ms"], ".1f"),
+          r["status"]] for r in rows])
 
 
 # ------------------------------------------------------------------------------------------------ one variant
 
 
-def _build(v: Variant, preset: str, heads: int, vocab: int, device: torch.device):
+def build_model(v: Variant, preset: str, heads: int, vocab: int, device: torch.device):
     import torch
 
     from .config import build_config
@@ -351,7 +353,7 @@ def run_variant(v: Variant, args: argparse.Namespace, batch: int, seq: int, voca
         torch.cuda.empty_cache()
 
 
-def _heads(v: Variant, heads: int) -> int | None:
+def routing_heads(v: Variant, heads: int) -> int | None:
     """The routing heads of a row: --heads for kinds that read residual.heads, 1 for AttnRes, else none."""
     from .model.residual import RESIDUALS
 
@@ -363,7 +365,7 @@ def _heads(v: Variant, heads: int) -> int | None:
 def _new_row(v: Variant, args: argparse.Namespace, cuda_graph: bool) -> dict[str, Any]:
     return {
         "variant": v.name + ("-graph" if cuda_graph else ""), "routing": v.routing,
-        "heads": _heads(v, args.heads),
+        "heads": routing_heads(v, args.heads),
         "grouping": v.grouping, "path": v.path, "compiled": v.compiled,
         "compile_mode": args.compile_mode if v.compiled else None, "cuda_graph": cuda_graph, "sites_per_pass": None,
         "tokens_per_s": None, "peak_gb": None, "step_ms": None, "routing_ms": None, "rest_ms": None,
@@ -399,7 +401,7 @@ class Training:
         self.device, self.cuda = device, device.type == "cuda"
         if v.compiled:
             torch._dynamo.reset()  # each model compiles afresh: no stale guards, no cache-size fallback to eager
-        self.model = model = _build(v, args.preset, args.heads, vocab, device)
+        self.model = model = build_model(v, args.preset, args.heads, vocab, device)
         self.optim = OptimConfig(lr=1e-4)  # the paper's recipe: AdamW (0.9, 0.95), weight decay 0.1, clip 1.0
         self.opt = make_optimizer(model, self.optim, device)
         gen = torch.Generator(device=device).manual_seed(1)

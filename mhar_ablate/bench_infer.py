@@ -36,7 +36,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .bench import PAPER_VOCAB, Variant, _build, _heads, all_variants
+from .bench import PAPER_VOCAB, Variant, all_variants, build_model, cell, markdown_table, routing_heads
 from .errors import UsageError
 
 CPU_SEQ, CPU_NEW_TOKENS = 16, 4  # --device cpu: a smoke run, not a measurement
@@ -162,7 +162,7 @@ def _attempt_build(v: Variant, args: argparse.Namespace, vocab: int, device, dty
     import torch
 
     try:
-        model = _build(v, args.preset, args.heads, vocab, device).eval().requires_grad_(False)
+        model = build_model(v, args.preset, args.heads, vocab, device).eval().requires_grad_(False)
         model.to(dtype)
         # The rotary tables stay float32, as under autocast in training (bf16 angles are off by a token's
         # phase at a thousand positions).
@@ -178,7 +178,7 @@ def _attempt_build(v: Variant, args: argparse.Namespace, vocab: int, device, dty
 
 
 def _new_row(v: Variant, args: argparse.Namespace, batch: int, seq: int, new: int, dtype) -> dict[str, Any]:
-    return {"variant": infer_name(v), "routing": v.routing, "heads": _heads(v, args.heads), "grouping": v.grouping,
+    return {"variant": infer_name(v), "routing": v.routing, "heads": routing_heads(v, args.heads), "grouping": v.grouping,
             "path": v.path, "batch": batch, "prefill_tokens": seq, "decode_context": seq - new, "new_tokens": new,
             "dtype": str(dtype).removeprefix("torch."), "prefill_ms": None, "prefill_tokens_per_s": None,
             "decode_ms_per_token": None, "decode_tokens_per_s": None, "peak_gb": None, "kv_cache_mb": None,
@@ -364,18 +364,12 @@ def _summary(row: dict) -> str:
 
 def render_table(rows: list[dict]) -> str:
     """The rows as a Markdown table (what ``docs/benchmarks.md`` shows)."""
-    head = ("| variant | batch | prefill tokens/s | × baseline | decode ms/token | × baseline | decode tokens/s "
-            "| graph ms/token | × baseline | peak GB | KV cache MB | status |")
-    lines = [head, "|" + "---|" * 12]
-
-    def f(x, fmt):
-        return "–" if x is None else format(x, fmt)
-
-    for r in rows:
-        lines.append(f"| {r['variant']} | {r['batch']} | {f(r['prefill_tokens_per_s'], ',.0f')} "
-                     f"| {f(r['prefill_ratio_to_baseline'], '.3f')} | {f(r['decode_ms_per_token'], '.2f')} "
-                     f"| {f(r['decode_latency_ratio_to_baseline'], '.3f')} | {f(r['decode_tokens_per_s'], ',.0f')} "
-                     f"| {f(r['decode_graph_ms_per_token'], '.2f')} | {f(r.get('graph_latency_ratio_to_baseline'), '.3f')} "
-                     f"| {f(r['peak_gb'], '.2f')} | {f(r['kv_cache_mb'], ',.1f')} "
-                     f"| {r['status'] if r['graph_status'] in (None, 'ok') else r['status'] + '; graph: ' + r['graph_status']} |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["variant", "batch", "prefill tokens/s", "× baseline", "decode ms/token", "× baseline", "decode tokens/s",
+         "graph ms/token", "× baseline", "peak GB", "KV cache MB", "status"],
+        [[r["variant"], str(r["batch"]), cell(r["prefill_tokens_per_s"], ",.0f"), cell(r["prefill_ratio_to_baseline"], ".3f"),
+          cell(r["decode_ms_per_token"], ".2f"), cell(r["decode_latency_ratio_to_baseline"], ".3f"),
+          cell(r["decode_tokens_per_s"], ",.0f"), cell(r["decode_graph_ms_per_token"], ".2f"),
+          cell(r.get("graph_latency_ratio_to_baseline"), ".3f"), cell(r["peak_gb"], ".2f"), cell(r["kv_cache_mb"], ",.1f"),
+          r["status"] if r["graph_status"] in (None, "ok") else f"{r['status']}; graph: {r['graph_status']}"]
+         for r in rows])

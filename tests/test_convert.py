@@ -17,6 +17,8 @@ from mhar_ablate.model import Decoder
 from mhar_ablate.model.weights import load_initial
 from mhar_ablate.training.run import load_run_config, train_run
 
+from cli_helpers import one_error
+
 transformers = pytest.importorskip("transformers")
 
 # Our decoder against transformers' Qwen3 in fp32: the same operations in a different order (RoPE angles
@@ -128,14 +130,6 @@ def test_tokenizer_json_of_the_folder_is_used(tmp_path):
     cfg = converted_config(src, 1, 4, None, {})
     assert cfg.data.tokenizer == str((tmp_path / "qwen3" / "tokenizer.json").resolve())
     assert cfg.model.seq_len == 64  # max_position_embeddings, under the cap
-
-
-def one_error(capsys, argv) -> str:
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
-    return err
 
 
 def test_bad_sources_are_one_line_and_exit_2(tmp_path, capsys):

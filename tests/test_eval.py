@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from mhar_ablate.cli import main
 
+from cli_helpers import one_error
+
 if os.environ.get("CI") == "true":
     import lm_eval  # noqa: F401  (CI installs the test extra, which has it: a missing one is a failure)
 else:
@@ -165,14 +167,6 @@ def test_cli_eval_writes_the_harness_results_and_reuses_them(trained, tmp_path, 
 
     assert main(argv) == 0  # the same settings at the same step: read back, not evaluated again
     assert "already evaluated" in capsys.readouterr().err
-
-
-def one_error(capsys, argv) -> str:
-    capsys.readouterr()
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
-    return err
 
 
 def test_bad_input_is_one_line(trained, tmp_path, capsys, monkeypatch):
