@@ -3,7 +3,8 @@
 # exports its tables, and writes the per-run results (arm, seed, tokens/s, peak memory, step mode) to $OUT.
 # usage: benchmarks/gpu_study.sh NAME BUDGET LIMIT_SECONDS [study options and key=value ...]
 # A study cut off by the limit resumes from its database on the next call with the same STUDY_DIR. The
-# folder, less its checkpoints, is also written to $OUT/study-NAME-BUDGET.tgz: carry that file into a later
+# folder with its exported tables and plots, less its checkpoints and weights, is also written to
+# $OUT/study-NAME-BUDGET.tgz: carry that file into a later
 # call as $RESTORE and a fresh machine goes on from there (an unfinished trial starts again from step 0).
 set -u
 name=$1 budget=$2 limit=$3; shift 3
@@ -15,7 +16,8 @@ fi
 timeout --signal=TERM "$limit" python3 -m mhar_ablate study "$name" --budget "$budget" --output "$dir" "$@" \
   > "$out/study-$name-$budget.log" 2>&1
 echo "study $name $budget: exit $?"
-tar -czf "$out/study-$name-$budget.tgz" --exclude='*.ckpt' --exclude='cache' -C "$dir" .
 python3 -m mhar_ablate export "$name" --budget "$budget" --output "$dir" --format md > "$out/table-$name-$budget.md" 2>&1
+# Weights and checkpoints stay on the machine (a file back from a device call is at most 16 MiB).
+tar -czf "$out/study-$name-$budget.tgz" --exclude='*.ckpt' --exclude='*.safetensors' --exclude='cache' -C "$dir" .
 cat "$out/table-$name-$budget.md"
 python3 benchmarks/collect_runs.py "$dir/studies/$name/$budget" > "$out/runs-$name-$budget.json"
