@@ -201,20 +201,27 @@ def _sites_per_pass(text: str | None) -> list[int | None]:
     return values
 
 
+def bench_device(args: argparse.Namespace, command: str) -> "torch.device":
+    """The device a bench command measures: --device, or one clear line where it asks for a missing GPU."""
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"{command} measures a GPU and this machine has none (torch sees no CUDA device); "
+                         "--device cpu runs a small smoke test of the command instead")
+    return torch.device(args.device)
+
+
 def bench_model(args: argparse.Namespace) -> int:
     import torch
 
     from .config import build_config
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("bench model measures a GPU and this machine has none (torch sees no CUDA device); "
-                         "--device cpu runs a small smoke test of the command instead")
+    device = bench_device(args, "bench model")
     if args.steps < 1 or args.warmup < 1:
         raise UsageError("--steps and --warmup must be at least 1")
     if args.heads < 1:
         raise UsageError(f"--heads must be positive, got {args.heads}")
     variants = select_variants(args.variants, all_variants(_sites_per_pass(args.sites_per_pass)))
-    device = torch.device(args.device)
     cpu = device.type == "cpu"
     if cpu:
         variants = [v for v in variants if not v.compiled]

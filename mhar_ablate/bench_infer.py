@@ -36,7 +36,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .bench import PAPER_VOCAB, Variant, all_variants, build_model, cell, markdown_table, routing_heads
+from .bench import PAPER_VOCAB, Variant, all_variants, bench_device, build_model, cell, markdown_table, routing_heads
 from .errors import UsageError
 
 CPU_SEQ, CPU_NEW_TOKENS = 16, 4  # --device cpu: a smoke run, not a measurement
@@ -104,16 +104,13 @@ def bench_infer(args: argparse.Namespace) -> int:
 
     from .config import build_config
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("bench infer measures a GPU and this machine has none (torch sees no CUDA device); "
-                         "--device cpu runs a small smoke test of the command instead")
+    device = bench_device(args, "bench infer")
     if args.heads < 1 or args.repeats < 1:
         raise UsageError("--heads and --repeats must be at least 1")
     if args.cuda_graph and args.device == "cpu":
         raise UsageError("--cuda-graph needs a GPU: a CUDA graph replays CUDA work, and --device cpu has none")
     batches = _batches(args.batch)
     variants = select(args.variants, infer_variants())
-    device = torch.device(args.device)
     cpu = device.type == "cpu"
     model_cfg = build_config(overrides={"model.preset": args.preset, "residual.kind": "baseline"}).model
     seq = args.seq or (CPU_SEQ if cpu else model_cfg.seq_len)
