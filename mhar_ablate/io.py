@@ -83,12 +83,21 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def commit(tmp: Path, path: Path) -> None:
     """Make the finished file ``tmp`` (written by us or by a library) durable and rename it to ``path``;
     on failure ``tmp`` is removed and ``path`` keeps its old contents."""
     try:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        # Some libraries write owner-only files (safetensors: 0600); an output folder shared across users or
+        # machines needs the mode every other file of ours gets.
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     except OSError as e:

@@ -195,6 +195,8 @@ def test_a_finished_study_trial_keeps_the_weights_it_trained(study, tmp_path):
     out, _, sr = study
     run_dir = sr.run_dir("mhar-h2", 0)
     assert not (run_dir / "checkpoints").exists() and (run_dir / "weights.safetensors").is_file()
+    # readable by whoever reads the results (safetensors alone writes owner-only files)
+    assert (run_dir / "weights.safetensors").stat().st_mode & 0o777 == (run_dir / "result.json").stat().st_mode & 0o777
     assert load_trained(run_dir, out / "cache").step == json.loads((run_dir / "result.json").read_text())["step"]
 
     assert main(["train", "--budget", "steps", "--steps", "3", "--preset", "tiny", "--output", str(tmp_path),

@@ -63,14 +63,15 @@ def load_trained(run_dir: Path, cache_dir: Path, device: str | torch.device = "c
     """The run in ``run_dir`` with its checkpoint's weights; one clear error where it has none.
     ``cache_dir``: the output folder's cache, where a BPE run's tokenizer is kept."""
     from ..model import Decoder
-    from ..training.checkpoint import FINAL_WEIGHTS, read_checkpoint, read_final_weights, record_of
+    from ..model.weights import read_state_dict
+    from ..training.checkpoint import FINAL_WEIGHTS, read_checkpoint, record_of
     from ..training.run import finished_result, load_run_config
 
     cfg = load_run_config(run_dir)
     ckpt = require_weights(run_dir)
-    if ckpt.name == FINAL_WEIGHTS.name:
-        weights, step = read_final_weights(ckpt)
-        state = None
+    result = finished_result(run_dir)
+    if ckpt.name == FINAL_WEIGHTS.name:  # kept only for a run whose result is recorded
+        weights, state, step = read_state_dict(ckpt), None, int((result or {}).get("step", -1))
     else:
         state = read_checkpoint(ckpt, mmap=True)  # the weights only are read: not the optimiser's moments
         weights = {k[len("model."):]: v for k, v in state["state_dict"].items() if k.startswith("model.")}
@@ -87,6 +88,5 @@ def load_trained(run_dir: Path, cache_dir: Path, device: str | torch.device = "c
     except RuntimeError as e:
         raise UsageError(f"checkpoint {ckpt} does not fit the run's configuration ({str(e).splitlines()[0][:160]})") from None
     model.to(device).eval()
-    result = finished_result(run_dir)
     status = result["status"] if result else str((record_of(state) if state else {}).get("status") or "running")
     return TrainedRun(run_dir, cfg, model, tokenizer, step, status)

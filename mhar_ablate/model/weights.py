@@ -31,7 +31,7 @@ def read_state_dict(path: str | Path) -> dict[str, Tensor]:
             raise UsageError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0][:160]})") from None
     from ..training.run import read_checkpoint
 
-    ckpt = read_checkpoint(path)
+    ckpt = read_checkpoint(path, mmap=True)  # mapped: the optimiser's moments are never read
     state = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
     if not isinstance(state, dict) or not any(k.startswith("model.") for k in state):
         raise UsageError(f"{path}: not a checkpoint of this package (no model.* tensors in its state_dict)")

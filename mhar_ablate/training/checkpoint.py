@@ -106,30 +106,17 @@ def checkpoint_bytes(params: int) -> int:
 
 
 def save_final_weights(run_dir: Path) -> Path | None:
-    """Write the decoder weights of ``run_dir``'s checkpoint to ``FINAL_WEIGHTS`` (atomically, with the
-    checkpoint's step in the file's metadata); None where the run has no checkpoint."""
+    """Write the decoder weights of ``run_dir``'s checkpoint to ``FINAL_WEIGHTS`` (atomically); None where
+    the run has no checkpoint. The run's step is its ``result.json``'s, which is written before this."""
     from safetensors.torch import save_file
 
     from ..io import commit
+    from ..model.weights import read_state_dict
 
     ckpt, dest = run_dir / CHECKPOINT, run_dir / FINAL_WEIGHTS
     if not ckpt.is_file():
         return None
-    state = read_checkpoint(ckpt, mmap=True)
-    weights = {k[len("model."):]: v.contiguous() for k, v in state["state_dict"].items() if k.startswith("model.")}
     tmp = dest.with_name(f".{dest.name}.tmp")
-    save_file(weights, str(tmp), metadata={"global_step": str(int(state["global_step"]))})
+    save_file({k: v.contiguous() for k, v in read_state_dict(ckpt).items()}, str(tmp))
     commit(tmp, dest)
     return dest
-
-
-def read_final_weights(path: Path) -> tuple[dict[str, torch.Tensor], int]:
-    """The weights and step that ``save_final_weights`` wrote; one clear error for an unreadable file."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            step = int((f.metadata() or {}).get("global_step", -1))
-            return {k: f.get_tensor(k) for k in f.keys()}, step
-    except (SafetensorError, OSError, ValueError) as e:
-        raise UsageError(f"{path} cannot be read ({str(e).splitlines()[0][:160]})") from None
