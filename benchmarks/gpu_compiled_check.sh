@@ -6,7 +6,9 @@
 #  2. compiled `train` against compiled, graph-replayed `bench model` at $PRESETS, then the eager pair at
 #     $EAGER_PRESETS (gpu_step_check.py speed);
 #  3. with STUDY=1 and 90 s left, `study budget --preset paper350m --budget wallclock --time 30s
-#     train.compile=true train.batch_size=8` (it resumes on a later call: gpu_study.sh);
+#     train.compile=true train.batch_size=8 $STUDY_ARGS` (it resumes on a later call: gpu_study.sh, with
+#     RESTORE=study-budget-wallclock.tgz on a fresh machine); a run checkpoints at every evaluation (2.1-6.4 GB
+#     at paper350m), so STUDY_ARGS=train.eval_every=4 keeps a trial near a minute;
 #  4. `bench model` rows of the comparison family, compiled and graph-replayed, at $FAMILY_PRESETS.
 # The cache is $WORK/inductor (default ./.gpu-work): a later call on a still-warm machine reuses it.
 # In $OUT: step_check.json, the study's table/runs/tgz, family-*.json, and every log in logs.tgz.
@@ -52,13 +54,14 @@ if [ -n "$eager" ]; then
 fi
 echo "[speed done at ${SECONDS}s]"
 if [ "$study" = 1 ] && [ "$(left)" -gt 90 ]; then
-  STUDY_DIR=$work/study bash benchmarks/gpu_study.sh budget wallclock "$(left "${FAMILY_RESERVE:-15}")" \
-    --preset paper350m --time 30s train.compile=true train.batch_size=8
+  STUDY_DIR=$work/study bash benchmarks/gpu_study.sh budget wallclock "$(left "${STUDY_RESERVE:-90}")" \
+    --preset paper350m --time 30s train.compile=true train.batch_size=8 ${STUDY_ARGS:-}
 fi
 for p in ${family//,/ }; do
   [ "$(left)" -gt 60 ] || { echo "family $p: no time left"; continue; }
+  split=--no-split; [ "${FAMILY_SPLIT:-0}" = 1 ] && split=  # FAMILY_SPLIT=1: profile a step (kernel ms)
   timeout --signal=INT --kill-after=20 "$(left 15)" python3 -m mhar_ablate bench model --preset "$p" --steps 5 \
-    --warmup 2 --no-split --cuda-graph --variants "$F" --json "$OUT/family-$p.json" > "$OUT/family-$p.log" 2>&1
+    --warmup 2 $split --cuda-graph --variants "$F" --json "$OUT/family-$p.json" > "$OUT/family-$p.log" 2>&1
   tail -25 "$OUT/family-$p.log"
 done
 echo "[done at ${SECONDS}s]"

@@ -6,6 +6,8 @@
 # folder with its exported tables and plots, less its checkpoints and weights, is also written to
 # $OUT/study-NAME-BUDGET.tgz: carry that file into a later
 # call as $RESTORE and a fresh machine goes on from there (an unfinished trial starts again from step 0).
+# A stop at the limit lets the running trial checkpoint (SIGTERM), then kills the study 45 s later: give the
+# call LIMIT + 45 s + the export's time (at paper350m, reserve about 90 s in all).
 set -u
 name=$1 budget=$2 limit=$3; shift 3
 dir=${STUDY_DIR:-/tmp/gpu-study}
@@ -13,7 +15,7 @@ out=${OUT:-.}
 if [ -n "${RESTORE:-}" ] && [ ! -e "$dir" ]; then
   mkdir -p "$dir" && tar -xzf "$RESTORE" -C "$dir" && echo "restored $dir from $RESTORE"
 fi
-timeout --signal=TERM "$limit" python3 -m mhar_ablate study "$name" --budget "$budget" --output "$dir" "$@" \
+timeout --signal=TERM --kill-after=45 "$limit" python3 -m mhar_ablate study "$name" --budget "$budget" --output "$dir" "$@" \
   > "$out/study-$name-$budget.log" 2>&1
 echo "study $name $budget: exit $?"
 python3 -m mhar_ablate export "$name" --budget "$budget" --output "$dir" --format md > "$out/table-$name-$budget.md" 2>&1

@@ -8,7 +8,8 @@ Nothing these warm-up runs measure is reported.
 
 Jobs:
   --bench PRESET:VARIANTS   `bench model --preset PRESET --variants VARIANTS --steps 1 --warmup 1`
-                            (each variant its own process; the compiled step is the one `train` runs)
+                            (each variant its own process, the baselines first and alone: every other
+                            job times one too; the compiled step is the one `train` runs)
   --study NAME              a 2-step `train` of every arm of studies/NAME.yaml (seed 0), with --preset and
                             the trailing key=value overrides the study call will be given
 
@@ -67,7 +68,11 @@ def main() -> int:
         print("warm_compile: set TORCHINDUCTOR_CACHE_DIR to the cache the timed runs will read", file=sys.stderr)
         return 2
     scratch = Path(tempfile.mkdtemp(prefix="warm-compile-"))
-    jobs = [j for spec in args.bench for j in bench_jobs(spec)]
+    bench = [j for spec in args.bench for j in bench_jobs(spec)]
+    # `bench model` adds the baseline to every variant it times: the baselines compile first, alone, so
+    # that the other jobs find them in the cache instead of each compiling its own copy side by side.
+    first = [j for j in bench if j[8].startswith("baseline")]
+    jobs = first + [j for j in bench if j not in first]
     jobs += [j for name in args.study for j in study_jobs(name, args.preset, args.overrides, scratch)]
     env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": str(args.threads)}
     logs = Path(args.log_dir)
@@ -92,9 +97,10 @@ def main() -> int:
     bad = 0
     pool = ThreadPoolExecutor(args.jobs)
     try:
-        for i, rc, s in pool.map(run, enumerate(jobs)):
-            print(f"warm {s:6.1f} s  rc {rc}  {' '.join(jobs[i][3:9])}", flush=True)
-            bad += rc != 0
+        for wave in (list(enumerate(jobs))[:len(first)], list(enumerate(jobs))[len(first):]):
+            for i, rc, s in pool.map(run, wave):
+                print(f"warm {s:6.1f} s  rc {rc}  {' '.join(jobs[i][3:9])}", flush=True)
+                bad += rc != 0
     except KeyboardInterrupt:  # the caller's time is up: the timed runs compile what is missing themselves
         stopping = True
         for proc in list(running):

@@ -13,8 +13,10 @@ The split comes from one extra step under ``torch.profiler``: routing is the GPU
 launched inside the ``mhar::routing`` ranges (forward) and by the backward nodes those ranges created
 (matched by autograd sequence number) or marked themselves (the fused path's backward); ``kernel_ms`` is
 the GPU time of all the step's kernels, so that step time minus kernel time is what the GPU spent waiting
-on the host. The split is not measured for compiled reference-path variants, whose routing kernels are
-fused with their neighbours. ``--check`` first compares the fused path with the reference on a small model.
+on the host; ``top_kernels`` (in the JSON) the step's costliest kernels. Routing is not split off for
+compiled reference-path variants (the comparison family among them), whose routing kernels are fused with
+their neighbours: their rows have the kernel time and the top kernels only. ``--check`` first compares
+the fused path with the reference on a small model.
 
 ``--cuda-graph`` adds a row after each variant's (``NAME-graph``): the same model and optimiser, the whole
 step (forward, backward, optimiser step) captured once in a CUDA graph and replayed. A replay launches no
@@ -290,6 +292,8 @@ def _row_summary(row: dict) -> str:
         split += f", kernels {row['kernel_ms']:.1f} ms"
     if row.get("routing_top"):
         split += "; top routing kernels: " + ", ".join(f"{n} {ms:.1f}" for n, ms in row["routing_top"])
+    elif row.get("top_kernels"):  # no routing split (the baseline, compiled kinds without a fused path)
+        split += "; top kernels: " + ", ".join(f"{n} {ms:.1f}" for n, ms in row["top_kernels"][:4])
     if row["split_from"]:
         split += f" (split from the {row['split_from']})"
     peak = "" if row["peak_gb"] is None else f", peak {row['peak_gb']:.1f} GB"
@@ -448,14 +452,17 @@ def _measure(v: Variant, args: argparse.Namespace, batch: int, seq: int, vocab: 
     _record_times(row, *_timed_steps(t.step, args.warmup, args.steps, device), batch * seq)
     if t.cuda:
         row["peak_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
-    if not args.no_split and not (v.compiled and v.path == "reference"):
+    if not args.no_split:
         split = _split(t.model, t.step, device, v.compiled)
-        if v.routing != "baseline":
+        # Compiled reference-path routing is fused with its neighbours: no routing time of its own, but
+        # the step's kernels still say where its GPU time goes.
+        if v.routing != "baseline" and not (v.compiled and v.path == "reference"):
             row["routing_ms"] = round(split["routing_ms"], 2)
             row["rest_ms"] = round(row["step_ms"] - row["routing_ms"], 2)
             row["routing_top"] = split.get("routing_top")
         if "kernel_ms" in split:
             row["kernel_ms"] = round(split["kernel_ms"], 2)
+            row["top_kernels"] = split["top_kernels"]
     return t
 
 
@@ -485,8 +492,9 @@ def _copy_split(ordinary: dict, row: dict) -> None:
     if ordinary["routing_ms"] is None and ordinary["kernel_ms"] is None:
         return
     row["routing_ms"], row["kernel_ms"] = ordinary["routing_ms"], ordinary["kernel_ms"]
-    if "routing_top" in ordinary:
-        row["routing_top"] = ordinary["routing_top"]
+    for key in ("routing_top", "top_kernels"):
+        if key in ordinary:
+            row[key] = ordinary[key]
     if row["routing_ms"] is not None:
         row["rest_ms"] = round(row["step_ms"] - row["routing_ms"], 2)
     row["split_from"] = "profiled eager-launch step"
@@ -531,8 +539,8 @@ def _timed_steps(step, first: int, n: int, device: torch.device) -> tuple[list[f
 
 def _split(model, step, device: torch.device, compiled: bool) -> dict:
     """Routing time in one profiled step: kernel time on a GPU (CPU time on a CPU run), the total kernel
-    time of the step (the GPU was idle for the rest: waiting on the host) and the costliest routing
-    kernels."""
+    time of the step (the GPU was idle for the rest: waiting on the host), the costliest routing kernels
+    and the costliest kernels of the whole step."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
@@ -596,19 +604,22 @@ def routing_time(events, on_device: bool) -> dict:
     if not on_device:
         total = sum(e.cpu_time_total for e in events if id(e) in chosen and not routed(e.cpu_parent))
         return {"routing_ms": total / 1e3}
-    routing, busy, top = 0.0, 0.0, Counter()
+    routing, busy, top, every = 0.0, 0.0, Counter(), Counter()
     for e in events:
         kernels = [k for k in e.kernels if k.name != ROUTING_RANGE]
         if not kernels:
             continue
         us = sum(k.duration for k in kernels)
         busy += us
+        for k in kernels:
+            every[k.name[:60]] += k.duration
         if routed(e):
             routing += us
             for k in kernels:
                 top[k.name[:60]] += k.duration
     return {"routing_ms": routing / 1e3, "kernel_ms": busy / 1e3,
-            "routing_top": [[name, round(us / 1e3, 2)] for name, us in top.most_common(6)]}
+            "routing_top": [[name, round(us / 1e3, 2)] for name, us in top.most_common(6)],
+            "top_kernels": [[name, round(us / 1e3, 2)] for name, us in every.most_common(8)]}
 
 
 # ------------------------------------------------------------------------------------------------ the check

@@ -115,13 +115,36 @@ def test_table_shows_the_fastest_baseline_column():
 
 def test_graph_row_takes_the_profiled_split():
     ordinary = _row("mhar-full-fused-compiled", "mhar", True, False, 125.0)
-    ordinary.update(step_ms=160.0, routing_ms=30.0, rest_ms=130.0, kernel_ms=84.0, routing_top=[["k", 20.0]])
+    ordinary.update(step_ms=160.0, routing_ms=30.0, rest_ms=130.0, kernel_ms=84.0, routing_top=[["k", 20.0]],
+                    top_kernels=[["gemm", 40.0], ["k", 20.0]])
     graph = _row("mhar-full-fused-compiled-graph", "mhar", True, True, 240.0)
     graph.update(step_ms=85.0, split_from=None)
     _copy_split(ordinary, graph)
     assert (graph["routing_ms"], graph["kernel_ms"], graph["rest_ms"]) == (30.0, 84.0, 55.0)
     assert graph["routing_top"] == [["k", 20.0]] and graph["split_from"] == "profiled eager-launch step"
+    assert graph["top_kernels"] == [["gemm", 40.0], ["k", 20.0]]
     unsplit = _row("baseline-compiled-graph", "baseline", True, True, 400.0)
     unsplit.update(split_from=None)
     _copy_split(_row("baseline-compiled", "baseline", True, False, 250.0), unsplit)
     assert unsplit["routing_ms"] is None and unsplit["split_from"] is None
+
+
+def test_profiled_step_names_its_costliest_kernels():
+    """routing_time on device events: routing is what ran under a routing range; every kernel counts in the
+    step's kernel time and in its top kernels, routed or not (the family's rows have only those)."""
+    from types import SimpleNamespace as E
+
+    from mhar_ablate.bench import routing_time
+    from mhar_ablate.model.residual.fused import ROUTING_RANGE
+
+    def event(name, parent, *kernels):
+        return E(name=name, cpu_parent=parent, sequence_nr=-1, thread=0, fwd_thread=0,
+                 kernels=[E(name=k, duration=us) for k, us in kernels])
+
+    rng = event(ROUTING_RANGE, None)
+    events = [rng, event("aten::mm", None, ("gemm", 3000.0)), event("mix", rng, ("route_fwd", 500.0)),
+              event("aten::sum", None, ("reduce", 1500.0), ("gemm", 1000.0))]
+    got = routing_time(events, on_device=True)
+    assert got["routing_ms"] == 0.5 and got["kernel_ms"] == 6.0
+    assert got["routing_top"] == [["route_fwd", 0.5]]
+    assert got["top_kernels"] == [["gemm", 4.0], ["reduce", 1.5], ["route_fwd", 0.5]]

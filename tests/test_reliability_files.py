@@ -167,9 +167,16 @@ def test_checkpoint_size_estimate_covers_a_real_checkpoint(tmp_path):
     from mhar_ablate.model import routing_overhead
     from mhar_ablate.training.checkpoint import checkpoint_bytes
     from mhar_ablate.training.run import train_run
+    from mhar_ablate.training.stop import StopRequest
 
     cfg = build_config(overrides=dict(a.split("=", 1) for a in FAST) | {"train.steps": "2"})
-    train_run(cfg, tmp_path / "run", tmp_path / "cache", log=lambda m: None)
     params = routing_overhead(cfg.model, cfg.residual, 256)[0]
-    size = (tmp_path / "run" / "checkpoints" / "last.ckpt").stat().st_size
+    stopped = StopRequest()
+    stopped.signal = "SIGTERM"  # asked before the first step: the run stops after it, with a checkpoint
+    stopped_run = train_run(cfg, tmp_path / "stopped", tmp_path / "cache", log=lambda m: None, stop=stopped)
+    assert stopped_run["status"] == "interrupted"
+    size = (tmp_path / "stopped" / "checkpoints" / "last.ckpt").stat().st_size
     assert 12 * params <= size <= checkpoint_bytes(params)  # fp32 weights and AdamW's two moments
+    # A completed run's last checkpoint leaves the optimiser's state out: about a third of that.
+    assert train_run(cfg, tmp_path / "done", tmp_path / "cache", log=lambda m: None)["status"] == "completed"
+    assert 4 * params <= (tmp_path / "done" / "checkpoints" / "last.ckpt").stat().st_size < 8 * params

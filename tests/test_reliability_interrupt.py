@@ -37,6 +37,12 @@ def test_killed_study_resumes_to_the_same_results(tmp_path, sig, uninterrupted):
         assert code == 130
         assert json.loads((victim / "result.json").read_text())["status"] == "interrupted"
     assert (victim / "checkpoints" / "last.ckpt").exists()
+    # The checkpoint it resumes from (the stop's own, or the last evaluation's where the signal stopped the
+    # loop first) holds the optimiser's state too.
+    import torch
+
+    state = torch.load(victim / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert state["optimizer_states"] and state["mhar_ablate"]["status"] in ("interrupted", "running")
     finished_before = {k for k, v in final_losses(folder).items()
                        if json.loads((folder / k / "result.json").read_text())["status"] == "completed"}
 
@@ -98,6 +104,11 @@ def test_run_killed_between_its_last_checkpoint_and_its_result_completes_on_resu
     monkeypatch.undo()
     run = _only_run(out)
     assert not (run / "result.json").exists() and (run / "checkpoints" / "last.ckpt").exists()
+    # A completed run's last checkpoint is its end: weights and the run's record, no optimiser state.
+    from mhar_ablate.training.checkpoint import read_checkpoint, record_of
+
+    state = read_checkpoint(run / "checkpoints" / "last.ckpt")
+    assert "optimizer_states" not in state and record_of(state)["status"] == "completed"
     capsys.readouterr()
     assert main(["train", "--output", str(out), "--resume", run.name]) == 0
     assert "nothing left to train" in capsys.readouterr().out

@@ -7,7 +7,8 @@ Besides Lightning's own keys, every checkpoint holds a record under ``RECORD`` (
 checkpoint was written (``completed`` for the checkpoint written at the end of the budget), the training
 seconds and curve it had reached, its peak memory, the final routing weights, and the versions it
 ran under. A checkpoint whose record says ``completed`` is a finished run: a rerun rebuilds the result
-from it without training.
+from it without training. That one is weights-only (no optimiser state: nothing resumes from it); every
+other checkpoint holds everything a resumed run needs.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ clock at its read-outs.
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import lightning as L
 import torch
@@ -34,6 +35,7 @@ class LMModule(L.LightningModule):
         # Under the flops budget train.steps holds the steps its FLOPs buy (run.resolve_flops_budget).
         self.budget = Budget(cfg.train.budget, cfg.train.steps, cfg.train.time, cfg.train.flops)
         self.clock = TrainingClock()
+        self.checkpoint_record: Callable[[dict], None] | None = None
         self.autocast_dtype = autocast
         self._loss = make_loss(self.model, None)
         # Evaluation runs uncompiled: it is outside the clock, and compiling its no-grad graph (twice for a
@@ -121,6 +123,8 @@ class LMModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["training_clock"] = self.clock.elapsed
+        if self.checkpoint_record is not None:  # the run's record (run.CheckpointRecord)
+            self.checkpoint_record(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.clock.elapsed = float(checkpoint.get("training_clock", 0.0))
