@@ -9,7 +9,8 @@
 #     train.compile=true train.batch_size=8 $STUDY_ARGS` (it resumes on a later call: gpu_study.sh, with
 #     RESTORE=study-budget-wallclock.tgz on a fresh machine); a run checkpoints at every evaluation (2.1-6.4 GB
 #     at paper350m), so STUDY_ARGS=train.eval_every=4 keeps a trial near a minute;
-#  4. `bench model` rows of the comparison family, compiled and graph-replayed, at $FAMILY_PRESETS.
+#  4. `bench model` rows of the comparison family ($FAMILY_VARIANTS: bench model names, default every kind
+#     without a fused path and delta), compiled and graph-replayed, at $FAMILY_PRESETS.
 # The cache is $WORK/inductor (default ./.gpu-work): a later call on a still-warm machine reuses it.
 # In $OUT: step_check.json, the study's table/runs/tgz, family-*.json, and every log in logs.tgz.
 #   OUT=$OUT PRESETS=small,paper350m STUDY=1 FAMILY_PRESETS=paper350m bash benchmarks/gpu_compiled_check.sh
@@ -29,7 +30,7 @@ left() { echo $(( limit - SECONDS - ${1:-0} )); }
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
 SV=${SPEED_VARIANTS:-baseline,mhar-full-fused,mhar-block4-fused}  # gpu_step_check.py's names
 V=$(echo "$SV" | sed 's/\([^,]*\)/\1-compiled/g')
-F=baseline-compiled,hc-compiled,hc-static-compiled,mhc-compiled,denseformer-compiled,muddformer-compiled,delta-full-fused-compiled
+F=${FAMILY_VARIANTS:-baseline-compiled,hc-compiled,hc-static-compiled,mhc-compiled,denseformer-compiled,muddformer-compiled,delta-full-fused-compiled}
 warm=()
 for p in ${presets//,/ }; do warm+=(--bench "$p:$V"); done
 [ "$study" = 1 ] && warm+=(--study budget --preset paper350m)

@@ -233,7 +233,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     cache = output / "cache"
     from .data import load_corpus
 
-    print(f"data: {load_corpus(cfg.data, cache).info.describe()}", flush=True)  # cached: train_run reuses it
+    corpus = load_corpus(cfg.data, cache)  # cached: train_run reuses it
+    print(f"data: {corpus.info.describe()}", flush=True)
+    from .training.final_eval import shortfall
+
+    note = shortfall(cfg.data.val_fraction, len(corpus.val), len(corpus.train) + len(corpus.val), cfg.model.seq_len,
+                     cfg.final_sequences())
+    if note:
+        print(note, flush=True)
     print(f"run folder: {run_dir}", flush=True)
     with stop_on_signals() as stop:
         result = train_run(cfg, run_dir, cache, resume=bool(args.resume), stop=stop,

@@ -416,7 +416,7 @@ def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = _log) -> dic
     devices = next(iter(configs.values())).train.devices
     slots = plan(sr.workers, devices, sr.trials_per_gpu, sr.budget)  # fits the machine, or one line why not
     # Cached once here, before any worker starts (the source stage's corpus too).
-    corpora, vocabs = check_data(configs, sr.output / "cache", extra=sr.source_configs().values())
+    corpora, vocabs, final_notes = check_data(configs, sr.output / "cache", extra=sr.source_configs().values())
     sr.resolve_flops(configs, vocabs)  # the flops budget's steps per arm depend on the vocabulary
     fingerprint = sr.fingerprint(configs)
     grid = sr.grid()
@@ -507,6 +507,8 @@ def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = _log) -> dic
             + (f"; {len(slots)} workers" if len(slots) > 1 else "") + (f", {devices} devices per trial" if devices > 1 else ""))
         for text in corpora:
             log(f"data: {text}")
+        for text in final_notes:
+            log(text)
         bar = tqdm(total=len(grid), initial=len(done), desc=sr.key, unit="trial", position=0, dynamic_ncols=True,
                    file=sys.stderr, disable=len(slots) > 1 or not sys.stderr.isatty())
 
@@ -658,23 +660,29 @@ def _curve_values(d: StudyDefinition, configs) -> dict[str, Any]:
 
 
 def check_data(configs: dict[tuple[str, int], RunConfig], cache: Path,
-               extra=()) -> tuple[list[str], dict[tuple[str, int], int]]:
+               extra=()) -> tuple[list[str], dict[tuple[str, int], int], list[str]]:
     """Load (and cache) each distinct corpus once up front: a folder without text fails the study at
-    once, not an hour in when the first arm that uses it starts. Returns one description per corpus and
-    each grid point's tokenizer vocabulary."""
+    once, not an hour in when the first arm that uses it starts. Returns one description per corpus,
+    each grid point's tokenizer vocabulary, and a line per corpus and sequence length whose held-out part
+    holds fewer final-evaluation sequences than asked."""
     from .data import fitting_windows, load_corpus
+    from .training.final_eval import shortfall
 
     seen: dict[str, tuple[str, int]] = {}
     vocabs: dict[tuple[str, int], int] = {}
+    notes: list[str] = []
     for point, cfg in [*configs.items(), *((None, c) for c in extra)]:
         key = json.dumps([cfg.data.__dict__, cfg.model.seq_len], sort_keys=True, default=str)
         if key not in seen:
             corpus = load_corpus(cfg.data, cache)  # its errors name the data source, which arms share
             fitting_windows(cfg.data, corpus, cfg.model.seq_len, cfg.data.val_sequences)
             seen[key] = (corpus.info.describe(), corpus.tokenizer.vocab_size)
+            if point is not None:  # a source of the cpt study's conversions is not evaluated
+                notes.append(shortfall(cfg.data.val_fraction, len(corpus.val), len(corpus.train) + len(corpus.val),
+                                       cfg.model.seq_len, cfg.final_sequences()) or "")
         if point is not None:
             vocabs[point] = seen[key][1]
-    return list(dict.fromkeys(d for d, _ in seen.values())), vocabs
+    return list(dict.fromkeys(d for d, _ in seen.values())), vocabs, list(dict.fromkeys(n for n in notes if n))
 
 
 def _budget_text(cfg: RunConfig, configs: dict[tuple[str, int], RunConfig] | None = None) -> str:

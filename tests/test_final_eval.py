@@ -56,6 +56,25 @@ def test_the_final_set_size_defaults_by_preset_and_is_capped_by_the_held_out_par
     assert len(dm.final_windows) == len(dm.corpus.val) // 33
 
 
+def test_a_held_out_part_too_small_for_the_final_set_is_said_with_what_would_hold_it(tmp_path, capsys):
+    # 100 windows of 33 tokens held out of 100,000 tokens; 1,000 asked: 33 % would hold them.
+    line = final_eval.shortfall(0.01, 3_300, 100_000, 32, 1_000)
+    assert "1,000 sequences asked" in line and "holds 100 windows of 33 tokens" in line
+    assert "data.val_fraction=0.33 would hold them" in line
+    assert "too small" in final_eval.shortfall(0.01, 3_300, 100_000, 32, 10**6)
+    assert final_eval.shortfall(0.01, 3_300, 100_000, 32, 100) is None  # it holds them
+    assert final_eval.shortfall(0.01, 3_300, 100_000, 32, 0) is None  # the final evaluation is off
+    from mhar_ablate.cli import main
+
+    cfg = cfg_for(tmp_path)
+    over = [f"{k}={v}" for k, v in cfg.flat().items() if k in ("data.source", "model.seq_len", "train.batch_size",
+                                                             "data.val_sequences", "residual.backend")]
+    assert main(["train", "--output", str(tmp_path / "out"), "--steps", "2", *over, "data.final_sequences=1000000",
+                 "model.preset=tiny", "train.eval_every=1"]) == 0
+    out = capsys.readouterr().out
+    assert "final evaluation: 1,000,000 sequences asked" in out and "too small to hold them" in out
+
+
 def test_standard_error_is_per_sequence_on_a_constructed_example():
     losses = [2.0, 2.5, 3.0, 3.5]
     s = final_eval.summarize(losses, seq_len=8)

@@ -3,20 +3,13 @@ baseline table) on synthetic allocator traces: the measurement itself needs a GP
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "memory_excess.py"
+from benchmark_scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def me():
-    spec = importlib.util.spec_from_file_location("memory_excess", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("memory_excess")
 
 
 def frame(path, line, name):

@@ -83,6 +83,22 @@ def evaluate(model: torch.nn.Module, batches: Iterable[tuple[Tensor, Tensor]], d
     return result
 
 
+def shortfall(val_fraction: float, held_out_tokens: int, total_tokens: int, seq_len: int, asked: int) -> str | None:
+    """One line where the held-out part holds fewer final-evaluation sequences than asked (the set is then
+    all it holds, and its standard error larger than the default size was chosen for), saying what would
+    hold them; None where it holds them (or the final evaluation is off)."""
+    window = seq_len + 1
+    held = held_out_tokens // window
+    if asked <= 0 or held >= asked:
+        return None
+    need = asked * window / max(total_tokens, 1)
+    fix = (f"data.val_fraction={math.ceil(need * 100) / 100:g} would hold them" if need < 0.5 else
+           "the corpus is too small to hold them (data.val_fraction stays under 0.5)")
+    return (f"final evaluation: {asked:,} sequences asked (data.final_sequences), the held-out part "
+            f"(data.val_fraction={val_fraction:g}) holds {held:,} windows of {window:,} tokens: every run is scored on "
+            f"those {held:,}; {fix}")
+
+
 def describe(final: dict[str, Any]) -> str:
     """One line for the run's log."""
     return (f"final evaluation: loss {final['loss']:.4f} ± {final['se']:.4f} (standard error) over "
