@@ -139,6 +139,15 @@ def select_variants(spec: str, variants: list[Variant]) -> list[Variant]:
     return [v for v in variants if v in chosen]  # in the canonical order
 
 
+def add_shared_options(m: argparse.ArgumentParser) -> None:
+    """The options ``bench model`` and ``bench infer`` share, with the same meaning and defaults."""
+    m.add_argument("--preset", default="paper350m", help="model preset from configs/ (default: paper350m)")
+    m.add_argument("--heads", type=int, default=8, help="routing heads of the mhar and delta variants (default 8)")
+    m.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cuda (default), or cpu for a small smoke run of the command itself")
+    m.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
 def add_bench_parser(subparsers: Any) -> None:
     """Add ``bench`` (with its targets ``model`` and ``infer``) to the command line's subparsers."""
     from .bench_infer import add_infer_parser
@@ -148,12 +157,11 @@ def add_bench_parser(subparsers: Any) -> None:
     targets = bench.add_subparsers(dest="bench_target", metavar="TARGET", parser_class=type(bench))
     m = targets.add_parser("model", help="training step of each variant: tokens/s, ratio to the baseline, "
                                          "peak memory, routing time")
-    m.add_argument("--preset", default="paper350m", help="model preset from configs/ (default: paper350m)")
+    add_shared_options(m)
     m.add_argument("--variants", default="all", metavar="LIST",
                    help="comma-separated variant names or patterns, e.g. 'mhar-full-*,*-compiled' (default: all); "
                         "names: baseline-{eager,compiled}, {attnres,mhar,delta}-{full,block4}-{ref,fused}-{eager,compiled}, "
                         "{hc,hc-static,mhc,denseformer,muddformer}-{eager,compiled}")
-    m.add_argument("--heads", type=int, default=8, help="routing heads of the mhar and delta variants (default 8)")
     m.add_argument("--sites-per-pass", default=None, metavar="N[,N...]",
                    help="fused path: sites sharing one pass over the history (default: the model's); "
                         "several values give one row each")
@@ -171,9 +179,6 @@ def add_bench_parser(subparsers: Any) -> None:
     m.add_argument("--check", action="store_true",
                    help="first check the fused path against the reference (loss and gradients, small model)")
     m.add_argument("--json", metavar="FILE", help="also write the rows as a JSON list")
-    m.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="cuda (default), or cpu for a small smoke run of the command itself")
-    m.add_argument("--debug", action="store_true", help="show tracebacks")
     add_infer_parser(targets)
 
 
@@ -347,14 +352,14 @@ def run_variant(v: Variant, args: argparse.Namespace, batch: int, seq: int, voca
     import torch
 
     row = _new_row(v, args, cuda_graph=False)
-    training = _attempt(row, _measure, v, args, batch, seq, vocab, device, row)
+    training = attempt(row, _measure, v, args, batch, seq, vocab, device, row)
     yield row
     if args.cuda_graph:
         graph_row = _new_row(v, args, cuda_graph=True)
         if training is None:
             graph_row["status"] = "not measured: the ordinary step failed"
         else:
-            _attempt(graph_row, _measure_graph, training, args, batch * seq, row, graph_row)
+            attempt(graph_row, _measure_graph, training, args, batch * seq, row, graph_row)
         yield graph_row
     # The model, its optimiser and its gradients (in the graph's pool after a capture) go before the next
     # variant; a failed measurement's graph died with its frame and the exception.
@@ -383,16 +388,16 @@ def _new_row(v: Variant, args: argparse.Namespace, cuda_graph: bool) -> dict[str
         "kernel_ms": None, "split_from": None, "warmup_s": None, "status": "ok"}
 
 
-def _attempt(row: dict, measure, *args):
-    """``measure(*args)``, or None with the reason in the row's status."""
+def attempt(row: dict, measure, *args, status: str = "status"):
+    """``measure(*args)``, or None with the reason in ``row[status]`` (``bench infer`` uses it too)."""
     import torch
 
     try:
         return measure(*args)
     except torch.OutOfMemoryError:
-        row["status"] = "out of memory"
+        row[status] = "out of memory"
     except Exception as e:  # a row that says what broke, and the next measurement still runs
-        row["status"] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        row[status] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         traceback.print_exc()
     return None
 

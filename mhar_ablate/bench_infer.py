@@ -30,13 +30,13 @@ import json
 import statistics
 import sys
 import time
-import traceback
 from contextlib import nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .bench import PAPER_VOCAB, Variant, all_variants, bench_device, build_model, cell, markdown_table, routing_heads
+from .bench import (PAPER_VOCAB, Variant, add_shared_options, all_variants, attempt, bench_device, build_model,
+                    cell, markdown_table, routing_heads)
 from .errors import UsageError
 
 CPU_SEQ, CPU_NEW_TOKENS = 16, 4  # --device cpu: a smoke run, not a measurement
@@ -67,12 +67,11 @@ def select(spec: str, variants: list[Variant]) -> list[Variant]:
 def add_infer_parser(targets: Any) -> None:
     m = targets.add_parser("infer", help="inference of each variant: prefill tokens/s, per-token decode latency "
                                          "with a KV cache, peak memory")
-    m.add_argument("--preset", default="paper350m", help="model preset from configs/ (default: paper350m)")
+    add_shared_options(m)
     m.add_argument("--variants", default="all", metavar="LIST",
                    help="comma-separated variant names or patterns, e.g. 'mhar-*,attnres-full-fused' (default: all); "
                         "names: baseline, {attnres,mhar,delta}-{full,block4}-{ref,fused}, "
                         "hc, hc-static, mhc, denseformer, muddformer")
-    m.add_argument("--heads", type=int, default=8, help="routing heads of the mhar and delta variants (default 8)")
     m.add_argument("--batch", default="1,16", metavar="N[,N...]",
                    help="sequences at once, one row per value (default 1,16)")
     m.add_argument("--seq", type=int, help=f"prefill tokens per sequence (default: the preset's seq_len; "
@@ -84,9 +83,6 @@ def add_infer_parser(targets: Any) -> None:
                    help="also replay each decode step from a CUDA graph (the graph ms/token column): the GPU work "
                         "without the host's launch cost")
     m.add_argument("--json", metavar="FILE", help="also write the rows as a JSON list (after every row)")
-    m.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                   help="cuda (default), or cpu for a small smoke run of the command itself")
-    m.add_argument("--debug", action="store_true", help="show tracebacks")
 
 
 def _batches(text: str) -> list[int]:
@@ -131,14 +127,15 @@ def bench_infer(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     for v in variants:
         print(f"-- {infer_name(v)}", flush=True)
-        model = _attempt_build(v, args, vocab, device, dtype)
+        built: dict[str, str] = {"status": "ok"}
+        model = attempt(built, inference_model, v, args, vocab, device, dtype)
         for batch in batches:
             row = _new_row(v, args, batch, seq, new, dtype)
             row.update(preset=args.preset, vocab=vocab, **env)
-            if isinstance(model, str):
-                row["status"] = model
+            if model is None:
+                row["status"] = built["status"]
             else:
-                _attempt(row, measure, model, batch, seq, new, vocab, device, args.repeats, args.cuda_graph, row)
+                attempt(row, measure, model, batch, seq, new, vocab, device, args.repeats, args.cuda_graph, row)
             rows.append(row)
             print("   " + _summary(row), flush=True)
             _ratios(rows)
@@ -154,24 +151,16 @@ def bench_infer(args: argparse.Namespace) -> int:
     return 0
 
 
-def _attempt_build(v: Variant, args: argparse.Namespace, vocab: int, device, dtype):
-    """The variant's model in inference form, or the reason it could not be built."""
-    import torch
-
-    try:
-        model = build_model(v, args.preset, args.heads, vocab, device).eval().requires_grad_(False)
-        model.to(dtype)
-        # The rotary tables stay float32, as under autocast in training (bf16 angles are off by a token's
-        # phase at a thousand positions).
-        model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
-        if hasattr(model.residual, "record"):
-            model.residual.record = False  # depth weights are a training diagnostic
-        return model
-    except torch.OutOfMemoryError:
-        return "out of memory"
-    except Exception as e:
-        traceback.print_exc()
-        return f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+def inference_model(v: Variant, args: argparse.Namespace, vocab: int, device, dtype):
+    """The variant's model in inference form."""
+    model = build_model(v, args.preset, args.heads, vocab, device).eval().requires_grad_(False)
+    model.to(dtype)
+    # The rotary tables stay float32, as under autocast in training (bf16 angles are off by a token's
+    # phase at a thousand positions).
+    model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
+    if hasattr(model.residual, "record"):
+        model.residual.record = False  # depth weights are a training diagnostic
+    return model
 
 
 def _new_row(v: Variant, args: argparse.Namespace, batch: int, seq: int, new: int, dtype) -> dict[str, Any]:
@@ -181,19 +170,6 @@ def _new_row(v: Variant, args: argparse.Namespace, batch: int, seq: int, new: in
             "decode_ms_per_token": None, "decode_tokens_per_s": None, "peak_gb": None, "kv_cache_mb": None,
             "decode_graph_ms_per_token": None, "decode_graph_tokens_per_s": None, "graph_check_rel_err": None,
             "graph_status": None, "status": "ok"}
-
-
-def _attempt(row: dict, fn, *args, status: str = "status") -> None:
-    """``fn(*args)``; what broke, if anything, in ``row[status]``, and the next measurement still runs."""
-    import torch
-
-    try:
-        fn(*args)
-    except torch.OutOfMemoryError:
-        row[status] = "out of memory"
-    except Exception as e:
-        row[status] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-        traceback.print_exc()
 
 
 class _Clock:
@@ -277,7 +253,7 @@ def measure(model, batch: int, seq: int, new: int, vocab: int, device, repeats: 
             row["peak_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 3)
         if cuda_graph:
             row["graph_status"] = "ok"
-            _attempt(row, graph_decode, model, prompt, new, eager_first, row, status="graph_status")
+            attempt(row, graph_decode, model, prompt, new, eager_first, row, status="graph_status")
     cfg = model.cfg  # keys and values of every layer, as KVCache holds them
     head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
     elements = 2 * cfg.n_layers * batch * cfg.n_kv_heads * seq * head_dim

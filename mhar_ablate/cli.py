@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--num-fewshot", type=int, metavar="K", help="few-shot examples (default: each task's own)")
     v.add_argument("--batch-size", type=int, default=16, metavar="B", help="sequences per forward (default 16)")
     v.add_argument("--device", metavar="D", help="torch device (default: cuda when visible, else cpu)")
-    v.add_argument("--budget", choices=("steps", "wallclock"), help="with --study: one budget (default: every budget run)")
+    v.add_argument("--budget", choices=BUDGETS, help="with --study: one budget (default: every budget run)")
     v.add_argument("--storage", metavar="URL", help="with --study: the study's storage (default: as recorded)")
     v.add_argument("--force", action="store_true", help="evaluate again runs already evaluated with these settings")
     _common(v)

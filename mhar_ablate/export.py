@@ -176,13 +176,15 @@ def _paired(arm: list[TrialData], base: list[TrialData], axis: int, x: float) ->
     """Mean paired difference (arm - baseline) over shared seeds, with the 95 % CI half-width."""
     b = {t.seed: t for t in base if t.usable}
     diffs = [interpolate(t.curve, axis, x) - interpolate(b[t.seed].curve, axis, x) for t in arm if t.usable and t.seed in b]
-    if not diffs:
-        return None
+    return _mean_interval(diffs) if diffs else None
+
+
+def _mean_interval(diffs: list[float]) -> tuple[float, float, int]:
+    """(mean, 95 % t-interval half-width, n) of paired differences; the half-width is nan for one."""
     m = statistics.fmean(diffs)
     if len(diffs) < 2:
         return m, math.nan, 1
-    half = t95(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs))
-    return m, half, len(diffs)
+    return m, t95(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs)), len(diffs)
 
 
 def build_table(study, target_loss: float | None = None) -> StudyTable:
@@ -278,10 +280,7 @@ def _add_final_and_target(rows: list[dict[str, Any]], trials: dict[str, list[Tri
             row["final_sequences"] = min(t.final_sequences or 0 for t in ok)
             pairs = [(t, base[t.seed]) for t in ok if t.seed in base]
             if base_name and row["arm"] != base_name and pairs:
-                diffs = [a.final_loss - b.final_loss for a, b in pairs]
-                m = statistics.fmean(diffs)
-                half = t95(len(diffs) - 1) * statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.nan
-                row["delta_final"] = (m, half, len(diffs))
+                row["delta_final"] = _mean_interval([a.final_loss - b.final_loss for a, b in pairs])
                 ses = [paired_se(a.final_losses or [], b.final_losses or []) for a, b in pairs]
                 row["delta_final_se"] = rms([x for x in ses if math.isfinite(x)])
         row.update(by_target.get(row["arm"], {}))

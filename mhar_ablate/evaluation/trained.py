@@ -70,11 +70,11 @@ def load_trained(run_dir: Path, cache_dir: Path, device: str | torch.device = "c
     cfg = load_run_config(run_dir)
     ckpt = require_weights(run_dir)
     result = finished_result(run_dir)
+    weights = read_state_dict(ckpt)  # a checkpoint is mapped: its optimiser's moments are never read
     if ckpt.name == FINAL_WEIGHTS.name:  # kept only for a run whose result is recorded
-        weights, state, step = read_state_dict(ckpt), None, int((result or {}).get("step", -1))
+        state, step = None, int((result or {}).get("step", -1))
     else:
-        state = read_checkpoint(ckpt, mmap=True)  # the weights only are read: not the optimiser's moments
-        weights = {k[len("model."):]: v for k, v in state["state_dict"].items() if k.startswith("model.")}
+        state = read_checkpoint(ckpt, mmap=True)
         step = int(state["global_step"])
     if "embed.weight" not in weights:
         raise UsageError(f"checkpoint {ckpt} holds no decoder weights")

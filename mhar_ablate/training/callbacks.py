@@ -273,7 +273,6 @@ class BudgetCallback(L.Callback):
         if reason and self.emit is not None:
             self.emit(f"{self.title}{status}: {reason}")
 
-
     def _final_evaluate(self, module: LMModule) -> None:
         """The final evaluation (final_eval.py), once; outside the clock, as every evaluation is."""
         if self.final_eval is not None or self.final_batches is None:

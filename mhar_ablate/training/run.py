@@ -286,7 +286,8 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
         # devices > 1: Lightning's DDP over the ranks that distributed.launch started (use_distributed_sampler
         # off: each rank slices the global batch itself).
         accelerator="auto", devices=cfg.train.devices, strategy="ddp" if ddp else "auto", use_distributed_sampler=False,
-        precision="32-true", logger=logger, plugins=[DirectCheckpointIO()], callbacks=[record_cb, budget_cb, bar] if lead else [budget_cb],
+        precision="32-true", logger=logger, plugins=[DirectCheckpointIO()],
+        callbacks=[record_cb, budget_cb, bar] if lead else [budget_cb],
         max_steps=budget.steps if budget.counts_steps else -1, max_epochs=-1,
         enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, log_every_n_steps=1_000_000,
