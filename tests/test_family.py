@@ -222,6 +222,41 @@ def test_every_kind_traces_into_one_graph():
     torch._dynamo.reset()
 
 
+def test_static_hc_under_compile_matches_eager(monkeypatch):
+    """Under torch.compile static HC broadcasts its weights per token (hc.py, ``coefficients``): the loss and
+    every parameter's gradient must be the eager path's (its 2-D weights and float32 matmul), both with the
+    branch forced in eager code and through aot_eager (dynamo and AOT autograd's backward, no inductor)."""
+    model = _model({"residual.kind": "hc", "residual.hc.dynamic": "false"}, seed=2, n_layers=2)
+    with torch.no_grad():  # off the identity initialisation, so that every weight's gradient differs
+        g = torch.Generator().manual_seed(4)
+        for p in model.residual.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+    x, y = _batch(seed=8, B=2, T=8)
+
+    def loss_and_grads(fn):
+        model.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(fn(x).float().flatten(0, 1), y.flatten())
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    want_loss, want = loss_and_grads(model)
+    H = torch.zeros(2, 8, model.residual.n, 4)
+    assert model.residual.coefficients(H, 0)[0].dim() == 2
+    with monkeypatch.context() as m:
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        alpha, beta = model.residual.coefficients(H, 0)
+        assert alpha.shape == (2, 8, 4, 5) and beta.shape == (2, 8, 4)
+        forced = loss_and_grads(model)
+    torch._dynamo.reset()
+    compiled = loss_and_grads(torch.compile(model, backend="aot_eager", fullgraph=True))
+    torch._dynamo.reset()
+    for got_loss, got in (forced, compiled):
+        torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+        assert got.keys() == want.keys()
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
 @pytest.mark.parametrize("kind", [k for k in RESIDUALS if k != "baseline"])
 def test_every_kind_builds_at_every_preset(kind):
     """The defaults fit every preset's shape: validation and construction (on the meta device)."""

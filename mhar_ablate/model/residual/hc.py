@@ -40,7 +40,9 @@ Speed: per sublayer, ``read`` computes the coefficients (dynamic: one (n·B·T, 
 the input; ``write`` mixes the streams and adds the output in one expression, from the streams the read
 saw (nothing of the mix is materialised between the two calls). Under torch.compile the mixes are
 pointwise code (``mix_streams``), which inductor can fuse with what surrounds them: a static write with
-the next read, for one.
+the next read, for one. There static HC's weights are broadcast to every token, so that their gradient is
+dynamic HC's per-token reduction over d and a sum over tokens (``benchmarks/bench_hc_static.py`` times both);
+eagerly its streams' mix in ``write`` is one float32 matmul.
 """
 
 from __future__ import annotations
@@ -145,6 +147,12 @@ class HyperConnections(Residual):
         """The site's [A_m | A_r] and B: static, plus the dynamic terms of H (Eqs. 10-13)."""
         alpha, beta = self.static_alpha[site], self.static_beta[site]
         if not self.dynamic:
+            if torch.compiler.is_compiling():
+                # Per-token weights, as dynamic HC's: inductor then computes their gradient as a reduction
+                # over d within each token, fused with the rest of the backward, and a small sum over the
+                # tokens; with 2-D weights it is a global reduction that re-reads the streams per output.
+                lead = H.shape[:-2]
+                return alpha.expand(*lead, *alpha.shape), beta.expand(*lead, *beta.shape)
             return alpha, beta
         Hn = H * torch.rsqrt(H.pow(2).mean(-1, keepdim=True) + self.eps)
         t = torch.tanh((Hn @ self.dynamic_proj[site]).float())  # (B, T, n, n + 2)
