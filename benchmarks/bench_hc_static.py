@@ -31,7 +31,7 @@ from mhar_ablate.model.residual.hc import HyperConnections
 
 
 class GlobalStaticHC(HyperConnections):
-    """Static HC with its 2-D weights under torch.compile too: the formulation the package replaced."""
+    """Static HC with its 2-D weights under torch.compile too: their gradient one global reduction per weight."""
 
     def coefficients(self, H: Tensor, site: int) -> tuple[Tensor, Tensor]:
         if self.dynamic:
