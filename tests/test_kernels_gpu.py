@@ -1,10 +1,11 @@
 """The routing kernels on a GPU, in fp32, bf16 and fp16, against the float64 oracle (``kernels/reference.py``):
-the routing op (``mhar_triton``), the fused path's kernels (``history``, ``column``) and the fused path
-itself (``model/residual/fused.py``), forward and backward, over awkward shapes: head widths that are not
-powers of two (12, 10, 160 = 128 + 32 as at ``paper1b``), token counts that are no multiple of a tile,
-S = 1 and S past 128, offsets past 2^31 elements, ``block:K`` groupings. Every output the kernels write is
-poisoned (NaN) first, so that an element they leave unwritten fails. Skipped without CUDA; on the CPU the
-interpreter tests (``test_kernel_triton.py``, ``test_history_kernels.py``, ``test_fused_path.py``) cover fp32.
+the routing op (``mhar_triton``), the fused path's kernels (``history``, ``column``), the fused path itself
+(``model/residual/fused.py``) and mHC's Sinkhorn-Knopp (``sinkhorn``, fp32), forward and backward, over
+awkward shapes: head widths that are not powers of two (12, 10, 160 = 128 + 32 as at ``paper1b``), token
+counts that are no multiple of a tile, S = 1 and S past 128, offsets past 2^31 elements, ``block:K``
+groupings. Every output the kernels write is poisoned (NaN) first, so that an element they leave unwritten
+fails. Skipped without CUDA; on the CPU the interpreter tests (``test_kernel_triton.py``,
+``test_history_kernels.py``, ``test_fused_path.py``, ``test_sinkhorn_kernel.py``) cover fp32.
 
     PYTHONPATH=$PWD python3 -m pytest -q tests/test_kernels_gpu.py
 
@@ -389,3 +390,27 @@ def test_fused_path_matches_float64(dtype, grouping, spp, d, heads):
     for name, t in truth.items():
         err, ref_err = rel_err(fused[name], t), rel_err(ref[name], t)
         assert err <= max(3 * ref_err, TOL[dtype]), f"{name}: {err:.2e} (reference in {dtype_id(dtype)}: {ref_err:.2e})"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# mHC's Sinkhorn-Knopp (kernels/sinkhorn.py), through mhc.sinkhorn on CUDA tensors
+# ----------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spread", [1.0, 5.0])
+def test_sinkhorn_matches_float64(spread):
+    """A site's H_res at paper350m's token count (N = 8192, n = 4, t_max = 20) in fp32, forward and backward,
+    against ``_Sinkhorn`` (``sinkhorn_reference``) in float64; no further off than it is in fp32 (x2, or
+    TOL)."""
+    from mhar_ablate.model.residual.mhc import sinkhorn, sinkhorn_reference
+
+    gen = torch.Generator(device=DEVICE).manual_seed(int(spread))
+    logits, grad = randn(gen, 2, 4096, 4, 4, scale=spread), randn(gen, 2, 4096, 4, 4)
+    truth = fwd_bwd(lambda x: sinkhorn_reference(x, 20), grad.double(), logits.double())
+    same_dtype = fwd_bwd(lambda x: sinkhorn_reference(x, 20), grad, logits)
+    poison()
+    got = fwd_bwd(lambda x: sinkhorn(x, 20), grad, logits)
+    for name, g, t, r in zip(("output", "grad logits"), got, truth, same_dtype):
+        assert g.dtype == torch.float32
+        err, ref_err = rel_err(g, t), rel_err(r, t)
+        assert err <= max(TOL[torch.float32], 2 * ref_err), f"{name}: {err:.2e} (reference in fp32: {ref_err:.2e})"

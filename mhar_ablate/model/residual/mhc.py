@@ -22,7 +22,9 @@ Choices the paper leaves open, and the ones made here:
 - Sinkhorn-Knopp: the first step is a softmax over each row (exp with its maximum subtracted, then the row
   normalisation: the same matrix, without overflow), then columns, rows, ..., t_max row and t_max
   column normalisations in all; column sums are clamped away from zero so that an underflowed column
-  cannot divide by zero. Its backward is written out (``_Sinkhorn``): a third of the graph to compile.
+  cannot divide by zero. On CUDA tensors it is one Triton kernel forward and one backward
+  (``kernels/sinkhorn.py``), one graph node each under torch.compile; elsewhere ``_Sinkhorn``, its
+  backward written out, which is also the kernels' reference.
 - the embedding goes into every stream at the start, and the streams are summed before the output norm,
   as in HC.
 - weight decay: none on α and b; φ decays like any matrix. Streams in float32, φ's product under autocast,
@@ -42,7 +44,8 @@ from ...errors import UsageError
 from . import Residual, separate_rng
 from .hc import check_rate, expand_streams, mix_streams
 
-# Floor of a column sum in Sinkhorn-Knopp: far below any sum a softmax'd row can give, but not zero.
+# Floor of a column sum in Sinkhorn-Knopp: far below any sum a softmax'd row can give, but not zero
+# (kernels/sinkhorn.py's COLUMN_FLOOR is the same).
 _COLUMN_FLOOR = 1e-30
 
 
@@ -56,6 +59,15 @@ class MHCSettings:
 def sinkhorn(logits: Tensor, iters: int) -> Tensor:
     """Doubly stochastic (..., n, n) from logits: exp, then alternately rows and columns normalised,
     ``iters`` times each (the first row normalisation is a softmax: exp without overflow)."""
+    if logits.is_cuda:
+        from ...kernels.sinkhorn import sinkhorn_triton  # imports triton: only where it runs
+
+        return sinkhorn_triton(logits, iters)
+    return sinkhorn_reference(logits, iters)
+
+
+def sinkhorn_reference(logits: Tensor, iters: int) -> Tensor:
+    """``sinkhorn`` in PyTorch (``_Sinkhorn``): the CPU path, and the Triton kernels' reference."""
     # The n x n axes in front: every sum then adds whole (tokens) planes, where sums over two tiny
     # trailing axes run an order of magnitude slower in eager PyTorch on a CPU.
     m = _Sinkhorn.apply(logits.movedim((-2, -1), (0, 1)).contiguous(), iters)
@@ -66,8 +78,9 @@ class _Sinkhorn(torch.autograd.Function):
     """Sinkhorn-Knopp on (n, n, ...) logits (rows: axis 1), its backward written out: y = x / sum(x) along
     an axis has dx = (dy - sum(dy * y)) / sum(x). The same numbers as autograd through the loop, in about a
     third of the graph nodes (2 x 20 normalisations at each of 2L sites is most of mHC's graph under
-    torch.compile, and of its compile time). The backward treats the column floor as inactive: it guards
-    only against an underflowed column, which a trained model does not reach."""
+    torch.compile on the CPU, and of its compile time; on CUDA the kernels make each site one node). The
+    backward treats the column floor as inactive: it guards only against an underflowed column, which a
+    trained model does not reach."""
 
     @staticmethod
     def forward(ctx, logits: Tensor, iters: int) -> Tensor:
