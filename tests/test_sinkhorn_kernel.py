@@ -2,8 +2,9 @@
 
 CPU tensors run the kernels through Triton's interpreter, in fp32, against ``_Sinkhorn``
 (``mhc.sinkhorn_reference``), forward and backward, over sizes n that are and are not powers of two, one
-and several iterations, token counts of one program and of several with a partial last one. The GPU side
-is ``tests/test_kernels_gpu.py``.
+and several iterations, token counts of one program and of several with a partial last one; and both
+kernels compiled ahead of time for the H200 (sm_90), which needs triton's NVIDIA backend but no GPU. The
+GPU run is ``tests/test_kernels_gpu.py``.
 """
 
 from __future__ import annotations
@@ -111,3 +112,49 @@ def test_torch_compile_one_node_each_way_without_graph_break():
     assert [t for t in graphs["fw"] if "sinkhorn" in t] == ["mhar_ablate.sinkhorn_fwd.default"]
     assert [t for t in graphs["bw"] if "sinkhorn" in t] == ["mhar_ablate.sinkhorn_bwd.default"]
     assert not any("div" in t for t in graphs["fw"] + graphs["bw"])
+
+
+def _ptxas_available() -> bool:
+    import os
+
+    import triton
+
+    return os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))
+
+
+# Compiles both kernels for sm_90 in a fresh process: once the interpreter has run in a process, triton's
+# language functions stay patched for it and ahead-of-time compilation there fails.
+_COMPILE_FOR_SM90 = """
+import sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from mhar_ablate.kernels import sinkhorn as kernel
+
+for n in (4, 5):
+    meta = kernel._meta(n, torch.device("cuda"))
+    warps = meta.pop("num_warps")
+    for fn, pointers in ((kernel._sinkhorn_fwd_kernel, ("x_ptr", "out_ptr")),
+                         (kernel._sinkhorn_bwd_kernel, ("x_ptr", "dy_ptr", "dx_ptr"))):
+        signature = {**{p: "*fp32" for p in pointers}, "N": "i32", "iters": "i32", **{c: "constexpr" for c in meta}}
+        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=meta),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        assert compiled.asm["cubin"], (fn.__name__, n)
+"""
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="triton's NVIDIA backend (ptxas) is not installed")
+def test_kernels_compile_for_the_h200_without_a_gpu(tmp_path):
+    """The interpreter runs the kernels' Python, not their lowering: compiling them ahead of time for sm_90
+    (the H200), with the launch configuration the GPU uses (``_meta``; n = 5 pads to 8), catches here what
+    only a GPU run would otherwise show (an op or a layout the backend rejects)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(root)}  # compiled afresh
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
