@@ -3,7 +3,8 @@ graphs of the training loss (cross-entropy of the whole Decoder, under autocast)
 first forward+backward (compiling) and of the next one (running only).
 
 Compile time grows with these graphs (mHC at paper350m, before its Sinkhorn-Knopp kernels: 10,190 forward
-and 22,443 backward nodes, a cold Inductor compile past 240 s on the H200). The model has the preset's
+and 22,443 backward nodes; its cold Inductor compile on the H200 did not finish in a 240 s warm-up beside
+the family's other compiles). The model has the preset's
 depth (``--preset``, default paper350m: 24 layers, 48 residual sites) and, unless ``--full-width``, a tiny
 width, which changes no graph's node count. Each kind may carry settings, ``kind:key=value:key=value``.
 
