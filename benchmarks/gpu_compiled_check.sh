@@ -14,7 +14,7 @@
 # The cache is $WORK/inductor (default ./.gpu-work): a later call on a still-warm machine reuses it.
 # In $OUT: step_check.json, the study's table/runs/tgz, family-*.json, and every log in logs.tgz.
 #   OUT=$OUT PRESETS=small,paper350m STUDY=1 FAMILY_PRESETS=paper350m bash benchmarks/gpu_compiled_check.sh
-# LIMIT: seconds for the whole script (default 570).
+# LIMIT: seconds for the whole script (default 570). WARM=0 skips step 1 (a warm machine's cache is full).
 set -uo pipefail
 OUT=${OUT:-compiled-check}
 mkdir -p "$OUT"
@@ -39,7 +39,7 @@ bg=
 if [ "${WORKERS_CHECK:-0}" = 1 ]; then
   OUT=$work/workers bash benchmarks/workers_gpu.sh > "$OUT/workers.log" 2>&1 & bg=$!
 fi
-if [ "${#warm[@]}" -gt 0 ]; then
+if [ "${WARM:-1}" = 1 ] && [ "${#warm[@]}" -gt 0 ]; then  # WARM=0: the cache was filled by an earlier call
   timeout --signal=INT "${WARM_LIMIT:-240}" python3 benchmarks/warm_compile.py --jobs "${JOBS:-6}" --threads "${THREADS:-2}" \
     --log-dir "$OUT" "${warm[@]}" train.compile=true train.batch_size=8
 fi
