@@ -42,18 +42,39 @@ def runs_of(folder: Path) -> list[dict]:
         row["environment"] = r.get("environment") or {}
         row["written"] = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         row["folder"] = path.parent
+        row["routing_weights"] = r.get("routing_weights")
         out.append(row)
     return out
 
 
 def best_mhar(runs: list[dict]) -> dict | None:
-    """The completed MHAR run (arm label mhar-...) with the lowest final-set loss (else final val loss)."""
+    """The completed MHAR run (arm label mhar-...) with the lowest final-set loss (else final val loss),
+    among those with a heatmap: its routing.png, or the final depth weights its result.json recorded."""
     def loss(r):
         return r["final_eval_loss"] if r["final_eval_loss"] is not None else r["final_val_loss"]
 
     mhar = [r for r in runs if str(r["arm"]).startswith("mhar") and r["status"] == "completed"
-            and loss(r) is not None and (r["folder"] / "routing.png").is_file()]
+            and loss(r) is not None and ((r["folder"] / "routing.png").is_file() or r.get("routing_weights"))]
     return min(mhar, key=loss) if mhar else None
+
+
+def write_heatmap(run: dict, path: Path) -> None:
+    """The run's routing.png; where a study folder travelled without its images (benchmarks/gpu_evidence.sh's
+    state archive), drawn again from the weights in its result.json, as training drew it."""
+    if (run["folder"] / "routing.png").is_file():
+        shutil.copy2(run["folder"] / "routing.png", path)
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import torch
+
+    from mhar_ablate.reporting.heatmap import routing_figure
+
+    fig = routing_figure([torch.tensor(w) for w in run["routing_weights"]], f"{run['arm']}: final depth weights")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def runs_table(runs: list[dict]) -> str:
@@ -116,7 +137,7 @@ def publish(name: str, output: Path, budget: str, dest: Path, commands: list[str
             shutil.copy2(folder / plot, target / plot)
     best = best_mhar(runs)
     if best is not None:
-        shutil.copy2(best["folder"] / "routing.png", target / "routing-best-mhar.png")
+        write_heatmap(best, target / "routing-best-mhar.png")
     (target / "runs.md").write_text(
         f"# {name}, {budget} budget: runs\n\n"
         + (f"Routing heatmap (`routing-best-mhar.png`): {best['folder'].name}.\n\n" if best else "")

@@ -18,13 +18,13 @@ def pub():
 
 
 def run(folder: Path, arm: str, seed: int, final: float | None, status="completed", tps=100.0, heatmap=True,
-        dirty=False):
+        dirty=False, weights=None):
     d = folder / f"{arm}-s{seed}"
     d.mkdir(parents=True)
     env = {"mhar-ablate": "0.1.0", "torch": "2.11.0", "git_commit": "abcdef1234567890", "git_dirty": dirty}
     result = {"arm": arm, "seed": seed, "status": status, "step": 10, "seconds": 15.0, "tokens_per_s": tps,
               "final_val_loss": 2.0, "final_eval": None if final is None else {"loss": final},
-              "device": "NVIDIA H200", "environment": env}
+              "device": "NVIDIA H200", "environment": env, "routing_weights": weights}
     (d / "result.json").write_text(json.dumps(result))
     if heatmap:
         (d / "routing.png").write_bytes(b"png")
@@ -40,6 +40,20 @@ def test_the_published_heatmap_is_the_best_completed_mhar_runs(tmp_path, pub):
     best = pub.best_mhar(pub.runs_of(tmp_path))
     assert (best["arm"], best["seed"]) == ("mhar-h8", 0)
     assert pub.best_mhar(pub.runs_of(tmp_path / "none")) is None
+
+
+def test_a_heatmap_is_drawn_from_the_recorded_weights_when_the_image_did_not_travel(tmp_path, pub):
+    # Two sites of a two-head router: one source, then two (the shapes result.json records).
+    weights = [[[1.0, 1.0]], [[0.9, 0.2], [0.1, 0.8]]]
+    run(tmp_path, "mhar-h2", 0, 1.80)  # has its image, but is worse
+    run(tmp_path, "mhar-h2", 1, 1.70, heatmap=False, weights=weights)
+    run(tmp_path, "mhar-h4", 0, 1.60, heatmap=False)  # neither image nor weights: not a candidate
+    best = pub.best_mhar(pub.runs_of(tmp_path))
+    assert (best["arm"], best["seed"]) == ("mhar-h2", 1)
+    pub.write_heatmap(best, tmp_path / "best.png")
+    assert (tmp_path / "best.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pub.write_heatmap(pub.runs_of(tmp_path)[0], tmp_path / "copied.png")  # mhar-h2 s0: its own file
+    assert (tmp_path / "copied.png").read_bytes() == b"png"
 
 
 def test_runs_table_and_provenance(tmp_path, pub):
