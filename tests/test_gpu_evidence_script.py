@@ -13,7 +13,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def evidence(work: Path, out: Path, restore: Path | None = None, studies: str = "query_init:1") -> str:
+def evidence(work: Path, out: Path, restore: Path | None = None, studies: str = "budget:1") -> str:
     env = {**os.environ, "WORK": str(work), "OUT": str(out), "PACK": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     if restore is not None:
@@ -27,21 +27,21 @@ def evidence(work: Path, out: Path, restore: Path | None = None, studies: str = 
 
 def test_state_archive_resumes_a_finished_study_and_never_overwrites_newer_state(tmp_path):
     out = evidence(tmp_path / "work", tmp_path / "out")
-    assert "query_init steps: 4 runs" in out and "exit 0" in out
+    assert "budget steps: 3 runs" in out and "exit 0" in out
     state = tmp_path / "out" / "state.tgz"
     names = tarfile.open(state).getnames()
-    assert any(n.endswith("studies/query_init/steps/zeros-s0/result.json") for n in names)
+    assert any(n.endswith("studies/budget/steps/mhar-h8-s0/result.json") for n in names)
     assert any(n.endswith(".journal") or n.endswith("studies.db") for n in names)
     assert not any(n.endswith((".png", ".ckpt", ".safetensors")) or "/tb/" in n for n in names)
 
     # A fresh machine: the study is restored and found finished (nothing trains again).
     again = evidence(tmp_path / "fresh", tmp_path / "out2", restore=state)
-    assert "restored query_init-steps" in again and "query_init steps: 4 runs" in again
-    log = (tmp_path / "fresh" / "evidence" / "query_init-steps" / "log" / "study-query_init-steps.log").read_text()
+    assert "restored budget-steps" in again and "budget steps: 3 runs" in again
+    log = (tmp_path / "fresh" / "evidence" / "budget-steps" / "log" / "study-budget-steps.log").read_text()
     assert "nothing to train" in log
 
     # A warm machine already holds a state: RESTORE leaves it alone.
-    marker = tmp_path / "work" / "evidence" / "query_init-steps" / "newer"
+    marker = tmp_path / "work" / "evidence" / "budget-steps" / "newer"
     marker.write_text("kept")
     third = evidence(tmp_path / "work", tmp_path / "out3", restore=state, studies="")  # no study: the restore alone
     assert "restored" not in third and marker.read_text() == "kept"
