@@ -2,11 +2,9 @@
 graphs of the training loss (cross-entropy of the whole Decoder, under autocast), the seconds of the
 first forward+backward (compiling) and of the next one (running only).
 
-Compile time grows with these graphs (mHC at paper350m, before its Sinkhorn-Knopp kernels: 10,190 forward
-and 22,443 backward nodes; its cold Inductor compile on the H200 did not finish in a 240 s warm-up beside
-the family's other compiles). The model has the preset's
-depth (``--preset``, default paper350m: 24 layers, 48 residual sites) and, unless ``--full-width``, a tiny
-width, which changes no graph's node count. Each kind may carry settings, ``kind:key=value:key=value``.
+Compile time grows with these graphs (docs/benchmarks.md, "Comparison family", has the counts and the
+H200's compile times). The model has the preset's depth (``--preset``, default paper350m: 24 layers, 48
+residual sites) and, unless ``--full-width``, a tiny width, which changes no graph's node count. Each kind may carry settings, ``kind:key=value:key=value``.
 
 mHC rows come once per ``--sinkhorn`` path: ``reference`` (``_Sinkhorn``, the loop in the graph) and
 ``kernel`` (the Triton custom ops, one node each way; forced on the CPU too, where the interpreter runs
@@ -19,7 +17,8 @@ is the time to trace. ``inductor`` compiles them, for compile time on a GPU. Run
     PYTHONPATH=$PWD python3 benchmarks/compile_graph_size.py hc:residual.hc.dynamic=false mhc --sinkhorn kernel
     PYTHONPATH=$PWD python3 benchmarks/compile_graph_size.py mhc --device cuda --backend inductor --full-width
 
-Rows: kind and settings, Sinkhorn path, forward nodes, backward nodes, first and next seconds.
+Prints a Markdown table: kind and settings, Sinkhorn path, forward nodes, backward nodes, first and next
+seconds.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from mhar_ablate.bench import cell, markdown_table
 from mhar_ablate.config import build_config
 from mhar_ablate.model import Decoder
 from mhar_ablate.model.residual import mhc
@@ -136,13 +136,10 @@ def main(argv: list[str] | None = None) -> None:
             rows.append((spec, path, fw, bw, first, after))
             print(f"{spec} ({path}): fw {fw}, bw {bw}, {first:.1f} s, next {after:.1f} s", flush=True)
 
-    head = ("kind", "sinkhorn", "fw nodes", "bw nodes", "first s", "next s")
-    cells = [head] + [(s, p, "-" if f is None else f"{f:,}", "-" if b is None else f"{b:,}", f"{t:.1f}",
-                       f"{u:.1f}") for s, p, f, b, t, u in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
-    print(f"\n{args.preset}, backend {args.backend}, device {device}:")
-    for r in cells:
-        print("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    print(f"\n{args.preset}, backend {args.backend}, device {device}:\n")
+    print(markdown_table(["kind", "sinkhorn", "fw nodes", "bw nodes", "first s", "next s"],
+                         [[s, p, cell(f, ","), cell(b, ","), cell(t, ".1f"), cell(u, ".1f")]
+                          for s, p, f, b, t, u in rows]))
 
 
 if __name__ == "__main__":

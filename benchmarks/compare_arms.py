@@ -1,0 +1,105 @@
+"""Arm against arm in a finished study, seed by seed, and how many seeds would decide it: the figures
+docs/results/README.md quotes beside the export's tables (which compare every arm with the baseline only).
+
+    python benchmarks/compare_arms.py heads --budget wallclock --output STUDY_DIR mhar-h8@attnres mhar-h4@baseline
+
+For each ``A@B`` (arm labels as the export shows them): the per-seed differences A - B, their mean and 95 %
+t-interval at the study's equal-steps and equal-time points (the export's: the fewest steps and seconds any
+run reached) and in final-set loss, and n*: the fewest seeds at which an interval with this mean and
+standard deviation would exclude zero. ``--reruns NAME=DIR ...`` instead lists, per seed, the final-set
+loss of ``--arm`` in each of several studies (the same arm and seed trained again) and their spread:
+
+    python benchmarks/compare_arms.py --budget steps --reruns heads=DIR1 budget=DIR2 baselines=DIR3
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+from mhar_ablate.errors import UsageError
+from mhar_ablate.export import _mean_interval, collect, interpolate, t95
+from mhar_ablate.study import load_studies
+
+
+def seeds_needed(diffs: list[float], most: int = 1000) -> int | None:
+    """The fewest seeds n for which t95(n - 1) * sd / sqrt(n) < |mean| (None: more than ``most``)."""
+    if len(diffs) < 2:
+        return None
+    m, sd = abs(statistics.fmean(diffs)), statistics.stdev(diffs)
+    if sd == 0:
+        return 2 if m > 0 else None
+    return next((n for n in range(2, most + 1) if t95(n - 1) * sd / math.sqrt(n) < m), None)
+
+
+def compare(trials: dict, a: str, b: str, at_step: float, at_seconds: float) -> list[str]:
+    for arm in (a, b):
+        if arm not in trials:
+            raise UsageError(f"no arm {arm!r} in this study (arms: {', '.join(trials)})")
+    base = {t.seed: t for t in trials[b] if t.usable}
+    pairs = [(t, base[t.seed]) for t in trials[a] if t.usable and t.seed in base]
+    if not pairs:
+        return [f"{a} - {b}: no seed finished in both"]
+    measures = {f"{at_step:.0f} steps": [interpolate(x.curve, 0, at_step) - interpolate(y.curve, 0, at_step) for x, y in pairs],
+                f"{at_seconds:.1f} s": [interpolate(x.curve, 1, at_seconds) - interpolate(y.curve, 1, at_seconds)
+                                        for x, y in pairs]}
+    if all(x.final_loss is not None and y.final_loss is not None for x, y in pairs):
+        measures["final-set"] = [x.final_loss - y.final_loss for x, y in pairs]
+    lines = [f"{a} - {b}, seeds {', '.join(str(x.seed) for x, _ in pairs)}:"]
+    for name, diffs in measures.items():
+        m, h, n = _mean_interval(diffs)
+        ci = f"[{m - h:+.4f}, {m + h:+.4f}]" if n > 1 else "(one seed)"
+        need = seeds_needed(diffs)
+        lines.append(f"  {name:>12}: per seed {', '.join(f'{d:+.4f}' for d in diffs)}; mean {m:+.4f} {ci}; "
+                     f"n* {need if need else '-'}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("name", nargs="?", help="the study (studies/NAME.yaml)")
+    p.add_argument("--budget", required=True)
+    p.add_argument("--output", type=Path, help="the folder the study trained into")
+    p.add_argument("pairs", nargs="*", metavar="A@B")
+    p.add_argument("--reruns", nargs="+", metavar="NAME=DIR", help="studies (name and folder) holding the same arm")
+    p.add_argument("--arm", default="baseline", help="with --reruns: the arm to compare (default baseline)")
+    args = p.parse_intermixed_args(argv)
+    try:
+        if args.reruns:
+            finals: dict[int, list[float]] = {}
+            for spec in args.reruns:
+                name, sep, folder = spec.partition("=")
+                if not sep:
+                    raise UsageError(f"--reruns takes NAME=DIR, got {spec!r}")
+                (study,) = load_studies(Path(folder), name, args.budget, None)
+                for t in collect(study)[0].get(args.arm, []):
+                    if t.usable and t.final_loss is not None:
+                        finals.setdefault(t.seed, []).append(t.final_loss)
+            for seed, losses in sorted(finals.items()):
+                print(f"{args.arm} s{seed}: final-set loss {', '.join(f'{v:.4f}' for v in losses)}; "
+                      f"spread {max(losses) - min(losses):.4f}")
+            return 0
+        if args.name is None or args.output is None or not args.pairs:
+            raise UsageError("give NAME, --output and at least one A@B pair (or --reruns NAME=DIR ...)")
+        (study,) = load_studies(args.output, args.name, args.budget, None)
+        trials = collect(study)[0]
+        usable = [t for ts in trials.values() for t in ts if t.usable]
+        if not usable:
+            raise UsageError(f"study {args.name} --budget {args.budget} has no finished runs")
+        at_step, at_seconds = min(t.curve[-1][0] for t in usable), min(t.curve[-1][1] for t in usable)
+        for pair in args.pairs:
+            a, sep, b = pair.partition("@")
+            if not sep or not a or not b:
+                raise UsageError(f"pairs are A@B (arm labels), got {pair!r}")
+            print("\n".join(compare(trials, a, b, at_step, at_seconds)))
+    except UsageError as e:
+        print(f"compare_arms: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
