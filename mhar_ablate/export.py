@@ -453,6 +453,18 @@ def _headers(table: StudyTable) -> list[str]:
     return heads + [c.header for c in table.extra]
 
 
+def schedule_note(table: StudyTable) -> str | None:
+    """Under a time or FLOPs budget every run's learning-rate schedule spans its own budget, so at equal
+    steps the arms are at different points of their schedules: say so beside the equal-steps column."""
+    if table.budget == "steps":
+        return None
+    columns = "equal-steps column favours" if table.budget == "flops" else "equal-steps and equal-FLOPs columns favour"
+    return (f"Equal steps under the {table.budget} budget: every run's learning-rate schedule spans its own "
+            f"budget, so at {int(table.at_step)} steps an arm that trains more steps in the budget is earlier in "
+            f"its schedule (its learning rate not yet annealed) than one that trains fewer; the {columns} the "
+            "slower arms. The same study under --budget steps compares arms at equal steps on equal schedules.")
+
+
 def render(table: StudyTable, fmt: str) -> str:
     if fmt == "md":
         head = _headers(table)
@@ -463,6 +475,8 @@ def render(table: StudyTable, fmt: str) -> str:
                   for r in table.rows]
         lines += ["", "Mean ± std over seeds; Δ is the paired difference to the baseline arm with its 95 % "
                   "t-interval over seeds; bold marks the lowest loss in a column."]
+        if schedule_note(table):
+            lines.append(schedule_note(table))
         if table.at_flops is not None:
             lines.append("FLOPs are the theoretical training count per token (matrix multiplies, attention and the "
                          "routing's own term; README, \"Training FLOPs\") times the tokens trained.")
@@ -493,7 +507,8 @@ def render(table: StudyTable, fmt: str) -> str:
                   for r in table.rows]
         lines += [r"\bottomrule", r"\end{tabular}",
                   r"\caption{" + esc(f"{table.name}, {table.budget} budget. Mean ± std over seeds; Δ: paired difference "
-                                     "to the baseline with a 95 % t-interval; bold: lowest loss.") + "}", r"\end{table}"]
+                                     "to the baseline with a 95 % t-interval; bold: lowest loss. "
+                                     + (schedule_note(table) or "")).rstrip() + "}", r"\end{table}"]
         fhead = [esc(h) for h in FINAL_HEADERS]
         lines += ["", r"\begin{table}[t]", r"\centering", r"\small", r"\begin{tabular}{l" + "r" * (len(fhead) - 1) + "}",
                   r"\toprule", " & ".join(fhead) + r" \\", r"\midrule"]

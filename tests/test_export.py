@@ -51,3 +51,15 @@ def test_paired_interval_uses_students_t(n):
     assert count == n and mean == pytest.approx(statistics.fmean(diffs))
     expected = t.ppf(0.975, n - 1) * statistics.stdev(diffs) / math.sqrt(n)
     assert half == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("budget", ["steps", "wallclock", "flops"])
+def test_equal_steps_column_is_qualified_where_schedules_differ(budget):
+    # Under a time or FLOPs budget a faster arm is mid-schedule at the step count a slower one ends on.
+    row = {"arm": "a", "n": 1, "diverged": 0, "pruned": 0, "loss_at_steps": (2.5, 0.0)}
+    table = StudyTable(name="s", budget=budget, description="", baseline=None, at_step=574, at_seconds=15.0,
+                       rows=[row], missing=[])
+    for fmt in ("md", "latex"):
+        text = render(table, fmt)
+        assert ("schedule spans its own budget" in text) == (budget != "steps"), fmt
+        assert budget == "steps" or "at 574 steps" in text
