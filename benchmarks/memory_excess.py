@@ -64,7 +64,10 @@ def group_of(frames: list[dict]) -> tuple[str, str, str]:
         if PACKAGE in name:
             rel = name[name.rindex(PACKAGE) + len(PACKAGE):]
             code = linecache.getline(name, f.get("line", 0)).strip()
-            return f"{rel}:{f.get('line', 0)} {f.get('name', '?')}", area_of(rel), code
+            # Dynamo names the code after a graph break torch_dynamo_resume_in_FUNC_at_LINE: the same line
+            # of the same function, to be compared with an unbroken model's.
+            func = re.sub(r"^torch_dynamo_resume_in_(\w+?)_at_\d+$", r"\1", f.get("name", "?"))
+            return f"{rel}:{f.get('line', 0)} {func}", area_of(rel), code
     for f in frames:
         m = re.search(r"(\w+Backward\w*)", f.get("name", ""))
         if m:

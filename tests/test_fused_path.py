@@ -168,3 +168,27 @@ def test_wide_heads_share_passes_two_sites_at_most():
     assert max(p.size for p in state.plans) == ROW_PASS_MAX_SITES
     _, narrow = _pair("mhar", "full", 4, 32, 2, sites_per_pass=4)
     assert max(p.size for p in narrow.residual.start(torch.zeros(1, 2, 32)).plans) == 4
+
+
+def test_compiled_loss_keeps_the_head_with_the_cross_entropy():
+    # The fused path breaks the compiled graph at every read and write; the loss must still put the output
+    # head and the cross-entropy in one graph (so that the backward can reuse the logits' memory for their
+    # gradient, as it does for an unbroken baseline), and compute the same loss.
+    from mhar_ablate.training.step import make_loss
+
+    _, fused = _pair()
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward
+
+    torch._dynamo.reset()
+    idx, targets = torch.randint(0, VOCAB, (2, 5)), torch.randint(0, VOCAB, (2, 5))
+    compiled = torch.compile(make_loss(fused, None), backend=record)
+    loss = compiled(idx, targets)
+    torch._dynamo.reset()
+    torch.testing.assert_close(loss, F.cross_entropy(fused(idx).view(-1, VOCAB), targets.view(-1)))
+    assert len(graphs) > 2, "expected the fused path to break the graph"
+    tail = [g for g in graphs if any("cross_entropy" in t for t in g)]
+    assert len(tail) == 1 and any("function linear" in t for t in tail[0]), graphs

@@ -63,6 +63,14 @@ def test_autograd_nodes_and_compiled_code_are_named(me):
         == "training/step.py:9 _step"
 
 
+def test_code_after_a_graph_break_groups_with_its_function(me):
+    # Dynamo's resume functions run the same source lines as an unbroken model's frame; grouped apart, a
+    # routed model's logits would count as excess against a baseline whose logits are the same tensor.
+    broken = frame("model/transformer.py", 222, "torch_dynamo_resume_in_forward_at_210")
+    assert me.group_of([broken]) == me.group_of([frame("model/transformer.py", 222, "forward")])
+    assert me.group_of([broken])[0] == "model/transformer.py:222 forward"
+
+
 def test_excess_table_lists_the_largest_differences_first(me):
     base = {"peak": 1000, "groups": {
         me.BEFORE_STEP: {"bytes": 600, "count": None, "area": "before the step", "code": ""},

@@ -193,6 +193,15 @@ class Decoder(nn.Module):
         """Logits of the tokens ``idx`` (B, T): of every position, or with ``last_only`` of the last one
         (B, 1, vocab). With a ``cache`` the tokens follow the positions it holds (a prompt into an empty
         cache, then one token a step), and their keys and values are added to it."""
+        h = self.hidden(idx, cache)
+        return self.head(h[:, -1:] if last_only else h)
+
+    def head(self, h: Tensor) -> Tensor:
+        """Logits from the last hidden states: final norm, then the (tied) output projection."""
+        return F.linear(self.norm(h), self.embed.weight if self.lm_head is None else self.lm_head.weight)
+
+    def hidden(self, idx: Tensor, cache: KVCache | None = None) -> Tensor:
+        """The hidden states after the last sublayer, before the final norm (``forward`` less ``head``)."""
         static = cache is not None and cache.position is not None
         past = 0 if cache is None else cache.length
         end = past + idx.shape[1]
@@ -217,9 +226,7 @@ class Decoder(nn.Module):
             cache.position += 1
         elif cache is not None:
             cache.length = end
-        if last_only:
-            h = h[:, -1:]
-        return F.linear(self.norm(h), self.embed.weight if self.lm_head is None else self.lm_head.weight)
+        return h
 
     def new_cache(self, batch: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> KVCache:
         """An empty cache for ``batch`` sequences of up to ``max_len`` tokens (default: model.seq_len),
