@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from mhar_ablate.errors import UsageError
-from mhar_ablate.export import _mean_interval, collect, interpolate, t95
+from mhar_ablate.export import _mean_interval, build_table, collect, interpolate, t95
 from mhar_ablate.study import load_studies
 
 
@@ -85,16 +85,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.name is None or args.output is None or not args.pairs:
             raise UsageError("give NAME, --output and at least one A@B pair (or --reruns NAME=DIR ...)")
         (study,) = load_studies(args.output, args.name, args.budget, None)
-        trials = collect(study)[0]
-        usable = [t for ts in trials.values() for t in ts if t.usable]
-        if not usable:
-            raise UsageError(f"study {args.name} --budget {args.budget} has no finished runs")
-        at_step, at_seconds = min(t.curve[-1][0] for t in usable), min(t.curve[-1][1] for t in usable)
+        table = build_table(study)  # its trials and equal points, exactly as the export has them
         for pair in args.pairs:
             a, sep, b = pair.partition("@")
             if not sep or not a or not b:
                 raise UsageError(f"pairs are A@B (arm labels), got {pair!r}")
-            print("\n".join(compare(trials, a, b, at_step, at_seconds)))
+            print("\n".join(compare(table.trials, a, b, table.at_step, table.at_seconds)))
     except UsageError as e:
         print(f"compare_arms: {e}", file=sys.stderr)
         return 2

@@ -4,7 +4,8 @@ first forward+backward (compiling) and of the next one (running only).
 
 Compile time grows with these graphs (docs/benchmarks.md, "Comparison family", has the counts and the
 H200's compile times). The model has the preset's depth (``--preset``, default paper350m: 24 layers, 48
-residual sites) and, unless ``--full-width``, a tiny width, which changes no graph's node count. Each kind may carry settings, ``kind:key=value:key=value``.
+residual sites) and, unless ``--full-width``, a tiny width, which changes no graph's node count. Each kind
+may carry settings, ``kind:key=value:key=value``.
 
 mHC rows come once per ``--sinkhorn`` path: ``reference`` (``_Sinkhorn``, the loop in the graph) and
 ``kernel`` (the Triton custom ops, one node each way; forced on the CPU too, where the interpreter runs

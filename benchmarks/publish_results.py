@@ -64,17 +64,11 @@ def write_heatmap(run: dict, path: Path) -> None:
     if (run["folder"] / "routing.png").is_file():
         shutil.copy2(run["folder"] / "routing.png", path)
         return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import torch
 
-    from mhar_ablate.reporting.heatmap import routing_figure
+    from mhar_ablate.reporting.heatmap import routing_png
 
-    fig = routing_figure([torch.tensor(w) for w in run["routing_weights"]], f"{run['arm']}: final depth weights")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    path.write_bytes(routing_png([torch.tensor(w) for w in run["routing_weights"]], run["arm"]))
 
 
 def runs_table(runs: list[dict]) -> str:

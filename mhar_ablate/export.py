@@ -475,8 +475,9 @@ def render(table: StudyTable, fmt: str) -> str:
                   for r in table.rows]
         lines += ["", "Mean ± std over seeds; Δ is the paired difference to the baseline arm with its 95 % "
                   "t-interval over seeds; bold marks the lowest loss in a column."]
-        if schedule_note(table):
-            lines.append(schedule_note(table))
+        note = schedule_note(table)
+        if note:
+            lines.append(note)
         if table.at_flops is not None:
             lines.append("FLOPs are the theoretical training count per token (matrix multiplies, attention and the "
                          "routing's own term; README, \"Training FLOPs\") times the tokens trained.")

@@ -172,8 +172,8 @@ def test_wide_heads_share_passes_two_sites_at_most():
 
 def test_compiled_loss_keeps_the_head_with_the_cross_entropy():
     # The fused path breaks the compiled graph at every read and write; the loss must still put the output
-    # head and the cross-entropy in one graph (so that the backward can reuse the logits' memory for their
-    # gradient, as it does for an unbroken baseline), and compute the same loss.
+    # head and the cross-entropy in one graph, as an unbroken baseline has them (split, the loss's graph held
+    # a second logits-sized tensor at the step's peak), and compute the same loss.
     from mhar_ablate.training.step import make_loss
 
     _, fused = _pair()

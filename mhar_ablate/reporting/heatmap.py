@@ -77,3 +77,16 @@ def routing_figure(weights: list[Tensor], title: str = ""):
         bar = fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.85)
         bar.set_label("log2(weight / uniform)", fontsize=8)
     return fig
+
+
+def routing_png(weights: list[Tensor], label: str) -> bytes:
+    """A run's ``routing.png``: the final depth weights of the variant ``label`` as a PNG."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    fig = routing_figure(weights, f"{label}: final depth weights")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()

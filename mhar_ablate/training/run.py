@@ -505,15 +505,7 @@ def _hparams(cfg: RunConfig) -> dict[str, Any]:
 
 
 def _save_heatmap(run_dir: Path, weights, label: str) -> None:
-    import io
-
-    import matplotlib.pyplot as plt
-
     from ..io import write_bytes
-    from ..reporting.heatmap import routing_figure
+    from ..reporting.heatmap import routing_png
 
-    fig = routing_figure(weights, f"{label}: final depth weights")
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    write_bytes(run_dir / "routing.png", buf.getvalue())
+    write_bytes(run_dir / "routing.png", routing_png(weights, label))

@@ -43,10 +43,10 @@ def make_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> 
 def make_loss(model: Decoder, compile_mode: str | None) -> Callable[[Tensor, Tensor], Tensor]:
     """Mean next-token cross-entropy of ``model``; compiled with ``compile_mode`` unless it is None. The
     loss is compiled with the model, so that the logits' cast and the cross-entropy fuse. The output head
-    is called here rather than inside ``model``'s forward, so that it lands in the loss's graph even where
-    the model's body breaks the graph (the fused routing is opaque to the compiler): with the head and the
-    cross-entropy in one graph, the backward can write the logits' gradient over the logits, where two
-    graphs hold both at the step's peak (measured: 5.0 GB more at ``paper100m``, docs/benchmarks.md)."""
+    is called here rather than inside ``model``'s forward, so that it shares the loss's graph even where the
+    model's body breaks the graph (the fused routing is opaque to the compiler), as in the baseline's one
+    graph. Split between two graphs, the loss's held a second logits-sized tensor at the step's peak
+    (5.0 GB at ``paper100m``; docs/benchmarks.md, "Memory")."""
 
     def loss(x: Tensor, y: Tensor) -> Tensor:
         logits = model.head(model.hidden(x))
