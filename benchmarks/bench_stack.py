@@ -157,7 +157,8 @@ def main() -> int:
     p.add_argument("--groupings", default="full,block:4")
     p.add_argument("--sites-per-pass", default="1,2,4,8")
     p.add_argument("--configs", default="", help="extra rows with launch configs of the head-tiled forward and the "
-                   "column backward: 'GROUPING:SITES:fwd=TOKENS,WARPS,PREFETCH:col=TOKENS,WARPS;...' (block:4 as block4)")
+                   "column backward: 'GROUPING:SITES:fwd=TOKENS,WARPS,STAGES:col=TOKENS,WARPS,STAGES;...' (block:4 as block4; "
+                   "the forward's table for whole heads or split ones, by --d and --heads)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_stack_out"))
     p.add_argument("--budget", type=float, default=400.0, help="seconds; stop starting rows after this")
     args = p.parse_args()
@@ -176,7 +177,7 @@ def main() -> int:
         for spp in (int(x) for x in args.sites_per_pass.split(",")):
             variants.append((grouping, spp, None))
     for spec in filter(None, args.configs.split(";")):
-        # "full:4:fwd=1,1,3"
+        # "full:4:fwd=1,1,4:col=1,4,0"
         parts = spec.split(":")
         grouping = parts[0] if parts[0] != "block4" else "block:4"
         spp = int(parts[1])
@@ -196,9 +197,10 @@ def main() -> int:
         column.COLUMN_CONFIG = (cfg or {}).get("col", saved_column)
         g = 1 << (max(spp, 1) - 1).bit_length()
         if cfg and "fwd" in cfg:
-            history.HISTORY_CONFIG["fwd"][g] = cfg["fwd"]
-        fwd = history.HISTORY_CONFIG["fwd"].get(g) if spp > 2 else "row kernels"
-        label = f"fwd {fwd}, column {column.COLUMN_CONFIG}"
+            history.HISTORY_CONFIG["fwd"][g] = history.HISTORY_CONFIG["fwd_split"][g] = cfg["fwd"]
+        split = "fwd_split" if (d // args.heads) & (d // args.heads - 1) else "fwd"
+        fwd = history.HISTORY_CONFIG[split].get(g) if spp > 2 else "row kernels"
+        label = f"fwd {fwd}, column {column.column_config(d)}"
         row = {"grouping": grouping, "sites_per_pass": spp, "config": str(label)}
         try:
             row["check"] = check(grouping, d, L, args.heads, spp, args.check_tokens, dev)

@@ -61,9 +61,13 @@ def test_shared_pass_matches_the_reference(monkeypatch, S, N, d, H, G, block_n, 
     (3, 5, 64, 2),  # head width 32: the matrix-product path for the query gradients
     (1, 3, 32, 8),  # one site, head width 4
 ])
-def test_backward_by_source_matches_autograd(S, N, d, H):
+@pytest.mark.parametrize("config", [(1, 4, 0), (2, 4, 0), (2, 4, 2)], ids=["row", "row-pair", "pipelined"])
+def test_backward_by_source_matches_autograd(S, N, d, H, config, monkeypatch):
     """Sites k = 0..S-1 read sources 0..k (full grouping): each source's gradient from the sites that read
-    it, and the query gradients summed over sources, against autograd of the reference."""
+    it, and the query gradients summed over sources, against autograd of the reference; for each of the
+    column kernel's forms (one token a program or two, loaded a site ahead; a tile through the
+    shared-memory pipeline), with token counts that leave a pair or a tile part-filled."""
+    monkeypatch.setattr(column, "COLUMN_CONFIG", config)
     src, qg, grad_out = _inputs(S, N, d, S, seed=11 * S + d)
     src64 = src.double().requires_grad_(True)
     qg64 = qg.double().requires_grad_(True)

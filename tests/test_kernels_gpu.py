@@ -295,11 +295,14 @@ def test_sites_backward_matches_float64(dtype, S, N, d, H, accumulate):
 @dtypes
 @pytest.mark.parametrize("S,N,d,H", [(4, 37, 1280, 8), (5, 19, 48, 4), (9, 70, 1024, 8), (1, 3, 256, 1)],
                          ids=lambda v: str(v))
-def test_column_backward_matches_float64(dtype, S, N, d, H):
+@pytest.mark.parametrize("config", [None, (1, 4, 0), (2, 4, 0), (1, 2, 4)], ids=["table", "row", "row-pair", "pipelined"])
+def test_column_backward_matches_float64(dtype, S, N, d, H, config, monkeypatch):
     """Sites k = 0..S-1 read sources 0..k (``full`` grouping): each source's gradient in one pass over the
-    sites that read it, and the sites' query-row gradients, against autograd of the oracle."""
+    sites that read it, and the sites' query-row gradients, against autograd of the oracle; with the
+    launch table's configuration for d and with each form of the column kernel."""
     from mhar_ablate.kernels import column
 
+    monkeypatch.setattr(column, "COLUMN_CONFIG", config)
     src, qg, grad_out = site_inputs(S, N, d, S, dtype, seed=11 * S + d)
     src64 = src.double().requires_grad_(True)
     qg64 = qg.double().requires_grad_(True)

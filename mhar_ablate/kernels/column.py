@@ -9,13 +9,17 @@ site's output gradient (and its ``delta``) in a buffer and computes a slot's gra
 is needed: the slot is read once, written once, and each reading site's output gradient is read once,
 one transfer per pair plus two per slot (1,323 at that shape).
 
-* ``_column_bwd_kernel``: one token per program, its row of the slot in registers, streaming over the S
-  sites that read the slot; writes the slot's gradient (the part through its RMS statistic included, the
-  whole row being at hand) and, per site and head, ``dz * r``, from which the routing parameters'
-  gradients follow.
+* ``_column_bwd_prefetch_kernel`` and ``_column_bwd_kernel``: one or two tokens per program, their rows of
+  the slot in registers, streaming over the S sites that read the slot; each writes the slot's gradient
+  (the part through its RMS statistic included, the whole row being at hand) and, per site and head,
+  ``dz * r``, from which the routing parameters' gradients follow. The first loads a site ahead into
+  registers, the second through Triton's shared-memory pipeline; which is faster depends on the width
+  (``COLUMN_CONFIGS``, measured).
 * ``_dqg_kernel``: those gradients, ``dqg[s, c] = sum_n dzr[h(c), s, n] * x[n, c]``, a matrix product
   over tokens per head, on tensor cores (bf16 sources: ``dzr`` split into two bf16 parts, so the product
-  keeps about 16 bits of it) or in fp32; partial sums per token chunk, summed after.
+  keeps about 16 bits of it) or in fp32. The training path runs it once for every slot of a step
+  (``query_grads``), when the last slot's gradient is done: one launch of many programs, where one launch
+  per slot had too few to fill the GPU.
 
 Math as in ``history`` (per site s reading the slot x, with g_s its output gradient):
 ``a = exp(r u_s - lse_s)``, ``dz = a (<g_s, x>_h - delta_s)``,
@@ -31,7 +35,53 @@ from torch import Tensor
 
 from .launch import head_meta, launch
 
-__all__ = ["column_backward"]
+__all__ = ["column_backward", "slot_grad", "query_grads", "dzr_size", "dzr_offset"]
+
+
+@triton.jit
+def _head_columns(H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, BLOCK_DB: tl.constexpr):
+    """A row's channels by head: the heads [H]; the offsets within a head of its power-of-two part [1, 1, DA]
+    and of its rest [1, 1, BLOCK_DB]; the row offsets of both parts, [1, H, DA] and [1, H, BLOCK_DB]; the
+    rest's mask."""
+    hh = tl.arange(0, H)
+    h = hh[None, :, None]
+    ja = tl.arange(0, DA)[None, None, :]
+    jb = tl.arange(0, BLOCK_DB)[None, None, :]
+    return hh, ja, jb, h * DH + ja, h * DH + DA + jb, jb < DB
+
+
+@triton.jit
+def _token_rows(ptr, n, N, offs_a, offs_b, b_ok, HAS_B: tl.constexpr, on=None):
+    """One token's row at ``ptr``, as its [1, H, DA] and [1, H, BLOCK_DB] blocks (the second is the first
+    again without HAS_B); zeros past the last token, or everywhere where ``on`` is 0."""
+    if on is None:
+        ok = (n < N)[:, None, None]
+    else:
+        ok = (n < on * N)[:, None, None]
+    ra = tl.load(ptr + offs_a, mask=ok, other=0.0)
+    rb = ra
+    if HAS_B:
+        rb = tl.load(ptr + offs_b, mask=ok & b_ok, other=0.0)
+    return ra, rb
+
+
+@triton.jit
+def _column_site(xa, xb, ga, gb, qa, qb, r, lse, delta, dxa, dxb, dr, HAS_B: tl.constexpr):
+    """One site's share of a slot's gradient for a tile of tokens [T, H, .] (the rest block ``*b`` used
+    only with HAS_B): returns dz * r [T, H] and the updated accumulators."""
+    u = tl.sum(xa * qa, axis=2)  # [T, H]
+    da = tl.sum(ga * xa, axis=2)
+    if HAS_B:
+        u += tl.sum(xb * qb, axis=2)
+        da += tl.sum(gb * xb, axis=2)
+    a = tl.exp(u * r - lse)
+    dz = a * (da - delta)
+    rdz = dz * r
+    dr += dz * u
+    dxa += a[:, :, None] * ga + rdz[:, :, None] * qa
+    if HAS_B:
+        dxb += a[:, :, None] * gb + rdz[:, :, None] * qb
+    return rdz, dxa, dxb, dr
 
 
 @triton.jit(do_not_specialize=["N", "S"])
@@ -39,106 +89,168 @@ def _column_bwd_kernel(
     x_ptr, rms_ptr, g_ptr, lse_ptr, delta_ptr, qg_ptr, dx_ptr, dzr_ptr,
     N, S,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
-    BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
 ):
     # A program holds BLOCK_N tokens' rows, [BLOCK_N, H, .]; a site's query row [1, H, .] broadcasts over
-    # them, so that each is read from cache once per BLOCK_N tokens rather than once per token.
+    # them. Per site the program reads one output-gradient row from memory and the site's query row from
+    # cache and does a few reductions: too little to cover the memory's latency from registers. The loop is
+    # software-pipelined over STAGES sites instead (``tl.range``: the site's loads are copied into shared
+    # memory STAGES - 1 sites ahead), which puts bytes in flight without holding them in registers.
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     nn = n[:, None, None]
-    hh = tl.arange(0, H)
-    h = hh[None, :, None]
-    ja = tl.arange(0, DA)[None, None, :]
-    jb = tl.arange(0, BLOCK_DB)[None, None, :]
-    col_a = h * DH + ja  # [1, H, DA]
-    col_b = h * DH + DA + jb
-    b_ok = jb < DB
+    hh, ja, jb, col_a, col_b, b_ok = _head_columns(H, DH, DA, DB, BLOCK_DB)
     row_ok = n_ok[:, None, None]
     offs_a = nn * D + col_a  # [BLOCK_N, H, DA]
     offs_b = nn * D + col_b
     xa = tl.load(x_ptr + offs_a, mask=row_ok, other=0.0).to(tl.float32)
+    xb = tl.zeros([BLOCK_N, H, BLOCK_DB], tl.float32)  # (a placeholder without HAS_B)
     if HAS_B:
         xb = tl.load(x_ptr + offs_b, mask=row_ok & b_ok, other=0.0).to(tl.float32)
     r = tl.load(rms_ptr + n, mask=n_ok, other=0.0)[:, None]  # [BLOCK_N, 1]
     dxa = tl.zeros([BLOCK_N, H, DA], tl.float32)
-    if HAS_B:
-        dxb = tl.zeros([BLOCK_N, H, BLOCK_DB], tl.float32)
+    dxb = tl.zeros([BLOCK_N, H, BLOCK_DB], tl.float32)
     dr = tl.zeros([BLOCK_N, H], tl.float32)
-
-    # Site s's output gradients are loaded one site ahead (see mhar_triton: loads that feed no dot are
-    # not pipelined by the compiler). The limit is a tensor mask, no rows past the last site.
-    g = g_ptr
-    next_a = tl.load(g + offs_a, mask=(n < tl.where(S > 0, N, 0))[:, None, None], other=0.0)
-    if HAS_B:
-        next_b = tl.load(g + offs_b, mask=(n < tl.where(S > 0, N, 0))[:, None, None] & b_ok, other=0.0)
-    # The site's query row and statistics too: cached, but a cache's latency still stalls a loop that
-    # uses a load right after issuing it.
     stat = n[:, None] * H + hh[None, :]  # [BLOCK_N, H]: offsets in the (sites, N, H) statistics
     stat_ok = n_ok[:, None]
-    first = tl.where(S > 0, 1, 0)
-    next_qa = tl.load(qg_ptr + col_a, mask=ja < first * DA, other=0.0)  # [1, H, DA]
-    if HAS_B:
-        next_qb = tl.load(qg_ptr + col_b, mask=jb < first * DB, other=0.0)
-    # padded tokens: lse = +inf, weight 0
-    next_lse = tl.load(lse_ptr + stat, mask=n[:, None] < first * N, other=float("inf"))
-    next_delta = tl.load(delta_ptr + stat, mask=n[:, None] < first * N, other=0.0)
     dzr = dzr_ptr + hh.to(tl.int64)[None, :] * S * N + n[:, None]
-    for s in range(S):
-        ga = next_a.to(tl.float32)
-        qa = next_qa
-        lse = next_lse
-        delta = next_delta
-        more = tl.where(s + 1 < S, 1, 0)
-        ahead = (n < more * N)[:, None, None]
-        next_a = tl.load(g + N * D + offs_a, mask=ahead, other=0.0)
-        next_qa = tl.load(qg_ptr + (s + 1) * D + col_a, mask=ja < more * DA, other=0.0)
-        next_lse = tl.load(lse_ptr + stat + N * H, mask=n[:, None] < more * N, other=float("inf"))
-        next_delta = tl.load(delta_ptr + stat + N * H, mask=n[:, None] < more * N, other=0.0)
-        u = tl.sum(xa * qa, axis=2)  # [BLOCK_N, H]
-        da = tl.sum(ga * xa, axis=2)
+    for s in tl.range(S, num_stages=STAGES):
+        site = tl.cast(s, tl.int64)
+        g = g_ptr + site * N * D
+        ga = tl.load(g + offs_a, mask=row_ok, other=0.0).to(tl.float32)
+        qa = tl.load(qg_ptr + site * D + col_a)
+        gb, qb = xb, xb
         if HAS_B:
-            gb = next_b.to(tl.float32)
-            qb = next_qb
-            next_b = tl.load(g + N * D + offs_b, mask=ahead & b_ok, other=0.0)
-            next_qb = tl.load(qg_ptr + (s + 1) * D + col_b, mask=jb < more * DB, other=0.0)
-            u += tl.sum(xb * qb, axis=2)
-            da += tl.sum(gb * xb, axis=2)
-        a = tl.exp(u * r - lse)
-        dz = a * (da - delta)
-        rdz = dz * r
-        dr += dz * u
-        dxa += a[:, :, None] * ga + rdz[:, :, None] * qa
-        if HAS_B:
-            dxb += a[:, :, None] * gb + rdz[:, :, None] * qb
-        tl.store(dzr + s * N, rdz, mask=stat_ok)
-        g += N * D
-        stat += N * H
+            gb = tl.load(g + offs_b, mask=row_ok & b_ok, other=0.0).to(tl.float32)
+            qb = tl.load(qg_ptr + site * D + col_b, mask=b_ok, other=0.0)
+        # padded tokens: lse = +inf, weight 0
+        lse = tl.load(lse_ptr + site * N * H + stat, mask=stat_ok, other=float("inf"))
+        delta = tl.load(delta_ptr + site * N * H + stat, mask=stat_ok, other=0.0)
+        rdz, dxa, dxb, dr = _column_site(xa, xb, ga, gb, qa, qb, r, lse, delta, dxa, dxb, dr, HAS_B)
+        tl.store(dzr + site * N, rdz, mask=stat_ok)
     w = (tl.sum(dr, axis=1)[:, None] * (r * r * r / D))[:, :, None]  # [BLOCK_N, 1, 1]
     tl.store(dx_ptr + offs_a, (dxa - w * xa).to(dx_ptr.dtype.element_ty), mask=row_ok)
     if HAS_B:
         tl.store(dx_ptr + offs_b, (dxb - w * xb).to(dx_ptr.dtype.element_ty), mask=row_ok & b_ok)
 
 
-@triton.jit(do_not_specialize=["N", "S", "tokens_per_chunk"])
+@triton.jit(do_not_specialize=["N", "S"])
+def _column_bwd_prefetch_kernel(
+    x_ptr, rms_ptr, g_ptr, lse_ptr, delta_ptr, qg_ptr, dx_ptr, dzr_ptr,
+    N, S,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
+    BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, PAIR: tl.constexpr,
+):
+    # One token (two with PAIR) per program, its row in registers [1, H, .], streaming over the S sites:
+    # per site one output-gradient row from memory and the site's query row from cache, both loaded one
+    # site ahead into registers. The query rows are most of the cache traffic (fp32, twice a bf16 row);
+    # with PAIR the program's two tokens share each one (two tensors of one layout, so that a thread holds
+    # the same channels of both and loads them once), at twice the registers.
+    n0 = tl.program_id(0).to(tl.int64) * (2 if PAIR else 1) + tl.arange(0, 1)  # [1]
+    n1 = n0 + 1
+    hh, ja, jb, col_a, col_b, b_ok = _head_columns(H, DH, DA, DB, BLOCK_DB)
+    offs0_a = n0[:, None, None] * D + col_a
+    offs0_b = n0[:, None, None] * D + col_b
+    offs1_a = offs0_a + D
+    offs1_b = offs0_b + D
+    x0a, x0b = _token_rows(x_ptr, n0, N, offs0_a, offs0_b, b_ok, HAS_B)
+    x0a, x0b = x0a.to(tl.float32), x0b.to(tl.float32)
+    r0 = tl.load(rms_ptr + n0, mask=n0 < N, other=0.0)[:, None]  # [1, 1]
+    dx0a = tl.zeros([1, H, DA], tl.float32)
+    dx0b = tl.zeros([1, H, BLOCK_DB], tl.float32)
+    dr0 = tl.zeros([1, H], tl.float32)
+    stat0 = n0[:, None] * H + hh[None, :]  # [1, H]: offsets in the (sites, N, H) statistics
+    if PAIR:
+        x1a, x1b = _token_rows(x_ptr, n1, N, offs1_a, offs1_b, b_ok, HAS_B)
+        x1a, x1b = x1a.to(tl.float32), x1b.to(tl.float32)
+        r1 = tl.load(rms_ptr + n1, mask=n1 < N, other=0.0)[:, None]
+        dx1a = tl.zeros([1, H, DA], tl.float32)
+        dx1b = tl.zeros([1, H, BLOCK_DB], tl.float32)
+        dr1 = tl.zeros([1, H], tl.float32)
+        stat1 = stat0 + H
+
+    # Loads one site ahead (see mhar_triton: loads that feed no dot are not pipelined by the compiler
+    # unless asked, and the shared-memory pipeline measured slower here); the limit is a tensor mask.
+    first = tl.where(S > 0, 1, 0)
+    g = g_ptr
+    next0a, next0b = _token_rows(g, n0, N, offs0_a, offs0_b, b_ok, HAS_B, first)
+    if PAIR:
+        next1a, next1b = _token_rows(g, n1, N, offs1_a, offs1_b, b_ok, HAS_B, first)
+    next_qa = tl.load(qg_ptr + col_a, mask=ja < first * DA, other=0.0)  # [1, H, DA]
+    next_qb = next_qa
+    if HAS_B:
+        next_qb = tl.load(qg_ptr + col_b, mask=jb < first * DB, other=0.0)
+    # padded tokens: lse = +inf, weight 0
+    next_lse0 = tl.load(lse_ptr + stat0, mask=n0[:, None] < first * N, other=float("inf"))
+    next_delta0 = tl.load(delta_ptr + stat0, mask=n0[:, None] < first * N, other=0.0)
+    if PAIR:
+        next_lse1 = tl.load(lse_ptr + stat1, mask=n1[:, None] < first * N, other=float("inf"))
+        next_delta1 = tl.load(delta_ptr + stat1, mask=n1[:, None] < first * N, other=0.0)
+    dzr = dzr_ptr + hh.to(tl.int64)[None, :] * S * N + n0[:, None]  # [1, H]
+    for s in range(S):
+        more = tl.where(s + 1 < S, 1, 0)
+        qa, qb = next_qa, next_qb
+        next_qa = tl.load(qg_ptr + (s + 1) * D + col_a, mask=ja < more * DA, other=0.0)
+        if HAS_B:
+            next_qb = tl.load(qg_ptr + (s + 1) * D + col_b, mask=jb < more * DB, other=0.0)
+        g0a, g0b, lse0, delta0 = next0a.to(tl.float32), next0b.to(tl.float32), next_lse0, next_delta0
+        next0a, next0b = _token_rows(g + N * D, n0, N, offs0_a, offs0_b, b_ok, HAS_B, more)
+        next_lse0 = tl.load(lse_ptr + stat0 + N * H, mask=n0[:, None] < more * N, other=float("inf"))
+        next_delta0 = tl.load(delta_ptr + stat0 + N * H, mask=n0[:, None] < more * N, other=0.0)
+        if PAIR:
+            g1a, g1b, lse1, delta1 = next1a.to(tl.float32), next1b.to(tl.float32), next_lse1, next_delta1
+            next1a, next1b = _token_rows(g + N * D, n1, N, offs1_a, offs1_b, b_ok, HAS_B, more)
+            next_lse1 = tl.load(lse_ptr + stat1 + N * H, mask=n1[:, None] < more * N, other=float("inf"))
+            next_delta1 = tl.load(delta_ptr + stat1 + N * H, mask=n1[:, None] < more * N, other=0.0)
+        rdz0, dx0a, dx0b, dr0 = _column_site(x0a, x0b, g0a, g0b, qa, qb, r0, lse0, delta0, dx0a, dx0b, dr0, HAS_B)
+        tl.store(dzr + s * N, rdz0, mask=n0[:, None] < N)
+        if PAIR:
+            rdz1, dx1a, dx1b, dr1 = _column_site(x1a, x1b, g1a, g1b, qa, qb, r1, lse1, delta1, dx1a, dx1b, dr1,
+                                                 HAS_B)
+            tl.store(dzr + s * N + 1, rdz1, mask=n1[:, None] < N)
+        g += N * D
+        stat0 += N * H
+        if PAIR:
+            stat1 += N * H
+    w0 = (tl.sum(dr0, axis=1)[:, None] * (r0 * r0 * r0 / D))[:, :, None]  # [1, 1, 1]
+    ok0 = (n0 < N)[:, None, None]
+    tl.store(dx_ptr + offs0_a, (dx0a - w0 * x0a).to(dx_ptr.dtype.element_ty), mask=ok0)
+    if HAS_B:
+        tl.store(dx_ptr + offs0_b, (dx0b - w0 * x0b).to(dx_ptr.dtype.element_ty), mask=ok0 & b_ok)
+    if PAIR:
+        w1 = (tl.sum(dr1, axis=1)[:, None] * (r1 * r1 * r1 / D))[:, :, None]
+        ok1 = (n1 < N)[:, None, None]
+        tl.store(dx_ptr + offs1_a, (dx1a - w1 * x1a).to(dx_ptr.dtype.element_ty), mask=ok1)
+        if HAS_B:
+            tl.store(dx_ptr + offs1_b, (dx1b - w1 * x1b).to(dx_ptr.dtype.element_ty), mask=ok1 & b_ok)
+
+
+@triton.jit(do_not_specialize=["N", "n_sites", "K"])
 def _dqg_kernel(
-    dzr_ptr, x_ptr, part_ptr, N, S, tokens_per_chunk,
+    dzr_ptr, x_ptr, part_ptr, N, n_sites, K,
     D: tl.constexpr, DH: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
     USE_DOT: tl.constexpr, SPLIT_BF16: tl.constexpr,
 ):
-    # Program (channel block, token chunk, site block): partial sums over the chunk's tokens.
+    # Program (channel block, slot j, site block): slot j's share of its sites' query gradients, summed over
+    # every token. Slot j is read by sites K j .. n_sites - 1 (S_j of them); its dz * r, (H, S_j, N), follows
+    # those of the slots before it in ``dzr``; the sum goes to rows K j + s of part[j].
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C] channels, all in one head
     head = (tl.program_id(0) * BLOCK_C) // DH
-    chunk = tl.program_id(1)
+    j = tl.program_id(1).to(tl.int64)
+    first = K * j
+    S = n_sites - first
+    before = j * n_sites - K * j * (j - 1) // 2  # sites read by slots 0 .. j - 1
     s = tl.program_id(2) * BLOCK_S + tl.arange(0, BLOCK_S)
     s_ok = s < S
-    a_rows = dzr_ptr + head.to(tl.int64) * S * N + s.to(tl.int64)[:, None] * N  # [BLOCK_S, 1]
+    a_rows = dzr_ptr + (before * (D // DH) + head * S) * N + s.to(tl.int64)[:, None] * N  # [BLOCK_S, 1]
+    x_rows = x_ptr + j * N * D
     acc = tl.zeros([BLOCK_S, BLOCK_C], tl.float32)
-    start = chunk.to(tl.int64) * tokens_per_chunk
-    for k0 in range(0, tokens_per_chunk, BLOCK_K):
-        n = start + k0 + tl.arange(0, BLOCK_K)
-        n_ok = (n < N) & (k0 + tl.arange(0, BLOCK_K) < tokens_per_chunk)
+    tokens = tl.where(tl.program_id(2) * BLOCK_S < S, N, 0)  # a block past the slot's sites: nothing to do
+    for k0 in range(0, tokens, BLOCK_K):
+        n = k0 + tl.arange(0, BLOCK_K)
+        n_ok = n < N
         a = tl.load(a_rows + n[None, :], mask=s_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_S, BLOCK_K]
-        b = tl.load(x_ptr + n[:, None] * D + c[None, :], mask=n_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_C]
+        b = tl.load(x_rows + n[:, None] * D + c[None, :], mask=n_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_C]
         if USE_DOT:
             if SPLIT_BF16:
                 a_hi = a.to(tl.bfloat16)
@@ -149,14 +261,29 @@ def _dqg_kernel(
                 acc = tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
         else:
             acc += tl.sum(a[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-    out = part_ptr + chunk.to(tl.int64) * S * D + s.to(tl.int64)[:, None] * D + c[None, :]
+    out = part_ptr + j * n_sites * D + (first + s.to(tl.int64))[:, None] * D + c[None, :]
     tl.store(out, acc, mask=s_ok[:, None])
 
 
-# Tokens per program and warps of the column kernel (the interpreter: two tokens, to cover the mask).
-# Measured on the H200 at paper350m: one token and 4 warps 20.6 ms for the routing stack, two tokens 22.5 ms
-# (4 warps) and 24.2 ms (8 warps), four tokens 46 ms.
-COLUMN_CONFIG = (1, 4)
+# Launch configuration of the column kernel by model width: tokens per program (1 or 2), warps, pipeline
+# stages (0: the kernel that loads one site ahead into registers; else the shared-memory pipeline over
+# STAGES sites). Measured on the H200 (benchmarks/bench_kernels.py, a step's calls; docs/benchmarks.md):
+# d = 512 2.26 ms (4 warps 3.0), d = 1024 7.9 ms (pipelined 11.2), d = 1280 27.6-28.4 ms (registers, 4
+# warps: 32.0). Other widths take the nearest. COLUMN_CONFIG, when set (benchmarks, tests), overrides the table;
+# so does COLUMN_MAXNREG (0: no register cap).
+COLUMN_CONFIGS = {512: (1, 2, 0), 1024: (1, 4, 0), 1280: (1, 2, 4)}
+COLUMN_CONFIG: tuple[int, int, int] | None = None
+COLUMN_MAXNREG = 0
+# The query gradients' product: sites and tokens per block, warps, stages. Measured on the H200 (one launch
+# for a step's slots): 32-token blocks 0.46 / 1.81 / 0.36 ms at d = 1024 / 1280 / 512, 64-token 0.73 / 1.90
+# / 0.48.
+QUERY_GRAD_CONFIG = (64, 32, 4, 3)
+
+
+def column_config(d: int) -> tuple[int, int, int]:
+    if COLUMN_CONFIG is not None:
+        return COLUMN_CONFIG
+    return COLUMN_CONFIGS[min(COLUMN_CONFIGS, key=lambda w: (abs(w - d), w))]
 
 
 def _channel_block(head_width: int) -> int:
@@ -174,26 +301,65 @@ def column_backward(x: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta
     """
     N, d = x.shape
     S = grad_out.shape[0]
-    dx = torch.empty_like(x)
     if N == 0 or S == 0:
-        return dx.zero_(), torch.zeros((S, d), dtype=torch.float32, device=x.device)
-    dzr = torch.empty((num_heads, S, N), dtype=torch.float32, device=x.device)
-    block_n, warps = COLUMN_CONFIG if x.device.type != "cpu" else (2, None)
-    meta = {**head_meta(d, num_heads, has_b=True), "BLOCK_N": block_n, **({"num_warps": warps} if warps else {})}
-    launch(_column_bwd_kernel, (triton.cdiv(N, block_n),), (x, rms, grad_out, lse, delta, qg, dx, dzr, N, S),
-           meta, x.device)
+        return torch.zeros_like(x), torch.zeros((S, d), dtype=torch.float32, device=x.device)
+    dx, dzr = slot_grad(x, rms, grad_out, lse, delta, qg, num_heads)
+    return dx, query_grads(dzr, x.unsqueeze(0), num_heads, S, 1)
 
+
+def slot_grad(x: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta: Tensor, qg: Tensor,
+              num_heads: int, dzr: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``column_backward``'s first kernel, for N, S > 0: the slot's gradient and ``dz * r`` (H, S, N) fp32,
+    written to ``dzr`` if given (contiguous)."""
+    N, d = x.shape
+    S = grad_out.shape[0]
+    dx = torch.empty_like(x)
+    if dzr is None:
+        dzr = torch.empty((num_heads, S, N), dtype=torch.float32, device=x.device)
+    block_n, warps, stages = column_config(d)
+    meta = {**head_meta(d, num_heads, has_b=True), "BLOCK_N": block_n}
+    if x.device.type != "cpu":
+        meta["num_warps"] = warps
+    if x.device.type != "cpu" and COLUMN_MAXNREG:
+        meta["maxnreg"] = COLUMN_MAXNREG
+    if stages:
+        kernel, meta["STAGES"] = _column_bwd_kernel, stages
+    else:  # the prefetching kernel: one or two tokens a program
+        kernel, meta["PAIR"] = _column_bwd_prefetch_kernel, block_n == 2
+        del meta["BLOCK_N"]
+    launch(kernel, (triton.cdiv(N, block_n),), (x, rms, grad_out, lse, delta, qg, dx, dzr, N, S), meta, x.device)
+    return dx, dzr
+
+
+def dzr_size(n_slots: int, n_sites: int, block: int) -> int:
+    """Sites read by all slots together, when slot j is read by sites ``block * j`` .. ``n_sites - 1``: the
+    rows of ``dzr`` that ``query_grads`` takes (times H * N elements)."""
+    return n_slots * n_sites - block * n_slots * (n_slots - 1) // 2
+
+
+def dzr_offset(slot: int, n_sites: int, block: int) -> int:
+    """Where slot ``slot``'s (H, S, N) block of ``dzr`` starts, in units of H * N elements."""
+    return dzr_size(slot, n_sites, block)
+
+
+def query_grads(dzr: Tensor, sources: Tensor, num_heads: int, n_sites: int, block: int) -> Tensor:
+    """The sites' ``qg`` gradients (n_sites, d) fp32 from every slot at once: ``sources`` (slots, N, d)
+    and, for each slot j in turn (read by sites ``block * j`` .. ``n_sites - 1``), its ``dz * r`` (H, S_j, N)
+    packed one after the other in ``dzr`` (``dzr_offset``)."""
+    n_slots, N, d = sources.shape
     block_c = _channel_block(d // num_heads)
     use_dot = block_c >= 16
-    if x.device.type == "cpu":  # interpreter: two chunks, so that tests sum partials
-        block_s, block_k, chunks = max(16, triton.next_power_of_2(S)), 16, 2
+    options = {}
+    if sources.device.type == "cpu":  # interpreter
+        block_s, block_k = max(16, triton.next_power_of_2(min(n_sites, 64))), 16
+    elif use_dot:
+        block_s, block_k, warps, stages = QUERY_GRAD_CONFIG
+        options = {"num_warps": warps, "num_stages": stages}
     else:
-        block_s, block_k, chunks = (64 if use_dot else 16), (64 if use_dot else 16), 16
-    tokens_per_chunk = triton.cdiv(triton.cdiv(N, chunks), block_k) * block_k
-    chunks = triton.cdiv(N, tokens_per_chunk)
-    part = torch.empty((chunks, S, d), dtype=torch.float32, device=x.device)
+        block_s, block_k = 16, 16
+    part = torch.zeros((n_slots, n_sites, d), dtype=torch.float32, device=sources.device)
     meta = {"D": d, "DH": d // num_heads, "BLOCK_S": block_s, "BLOCK_K": block_k, "BLOCK_C": block_c,
-            "USE_DOT": use_dot, "SPLIT_BF16": x.dtype == torch.bfloat16}
-    grid = (d // block_c, chunks, triton.cdiv(S, block_s))
-    launch(_dqg_kernel, grid, (dzr, x, part, N, S, tokens_per_chunk), meta, x.device)
-    return dx, part.sum(0)
+            "USE_DOT": use_dot, "SPLIT_BF16": sources.dtype == torch.bfloat16, **options}
+    grid = (d // block_c, n_slots, triton.cdiv(n_sites, block_s))
+    launch(_dqg_kernel, grid, (dzr, sources, part, N, n_sites, block), meta, sources.device)
+    return part.sum(0)

@@ -268,30 +268,22 @@ def _sites_bwd_kernel(
             tl.store(part + k * D + col_b, dqg_b, mask=b_ok & (k >= 0))
 
 
-# The head-tiled kernels. A program's tile is [BLOCK_N tokens, BLOCK_G sites, channels of one head]; a
-# source is [BLOCK_N, 1, .] and broadcasts over the sites. Pointers advance per source (int64 offsets
-# past 2^31 elements, as in mhar_triton).
-@triton.jit
-def _load_tile(base, offs, n, N, s, S, extra_mask=None):
-    """Source s's [BLOCK_N, 1, .] tile at ``base + offs``; zeros (and no memory read) past the last source
-    or token. The limit is a tensor comparison: the interpreter takes no scalar in a combined mask."""
-    ok = (n < tl.where(s < S, N, 0))[:, None, None]
-    if extra_mask is not None:
-        ok = ok & extra_mask
-    return tl.load(base + offs, mask=ok, other=0.0)
-
-
+# The head-tiled kernel. A program's tile is [BLOCK_N tokens, BLOCK_G sites, channels of one head]; a source
+# is [BLOCK_N, 1, .] and broadcasts over the sites. One head's slice of a row is small (256 bytes at d =
+# 1024, H = 8), so the loop over sources is software-pipelined (``tl.range``: source s + STAGES - 1 is
+# copied into shared memory while source s is reduced), which keeps bytes in flight without registers.
 @triton.jit(do_not_specialize=["N", "S", "G"])
 def _history_fwd_kernel(
     src_ptr, rms_ptr, qg_ptr, out0_ptr, rest_ptr, lse_ptr,
     N, S, G, stride_s,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
-    tl.static_assert((PREFETCH >= 1) & (PREFETCH <= 3))
     head = tl.program_id(1)
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    n_ok = n < N
+    row_ok = n_ok[:, None, None]
     nn = n[:, None, None]
     k = tl.arange(0, BLOCK_G)[None, :, None]
     ja = tl.arange(0, DA)[None, None, :]
@@ -311,55 +303,13 @@ def _history_fwd_kernel(
     acc_a = tl.zeros([BLOCK_N, BLOCK_G, DA], tl.float32)
     if HAS_B:
         acc_b = tl.zeros([BLOCK_N, BLOCK_G, BLOCK_DB], tl.float32)
-
-    # Sources s + 1 .. s + PREFETCH are in flight while source s is reduced: one head's slice of a row is
-    # small, so one load ahead per program keeps too few bytes moving.
-    src = src_ptr
-    rms = rms_ptr
-    n1 = _load_tile(src, offs_a, n, N, 0, S)
-    r1 = tl.load(rms + n, mask=n < tl.where(S > 0, N, 0), other=1.0)
-    if HAS_B:
-        b1 = _load_tile(src, offs_b, n, N, 0, S, b_ok)
-    if PREFETCH >= 2:
-        n2 = _load_tile(src + stride_s, offs_a, n, N, 1, S)
-        r2 = tl.load(rms + N + n, mask=n < tl.where(S > 1, N, 0), other=1.0)
-        if HAS_B:
-            b2 = _load_tile(src + stride_s, offs_b, n, N, 1, S, b_ok)
-    if PREFETCH >= 3:
-        n3 = _load_tile(src + 2 * stride_s, offs_a, n, N, 2, S)
-        r3 = tl.load(rms + 2 * N + n, mask=n < tl.where(S > 2, N, 0), other=1.0)
-        if HAS_B:
-            b3 = _load_tile(src + 2 * stride_s, offs_b, n, N, 2, S, b_ok)
-    for s in range(S):
-        xa = n1.to(tl.float32)
-        r = r1[:, None]
-        if HAS_B:
-            xb = b1.to(tl.float32)
-        ahead = src + PREFETCH * stride_s
-        r_ahead = tl.load(rms + PREFETCH * N + n, mask=n < tl.where(s + PREFETCH < S, N, 0), other=1.0)
-        if PREFETCH == 1:
-            n1 = _load_tile(ahead, offs_a, n, N, s + 1, S)
-            r1 = r_ahead
-            if HAS_B:
-                b1 = _load_tile(ahead, offs_b, n, N, s + 1, S, b_ok)
-        if PREFETCH == 2:
-            n1, r1 = n2, r2
-            n2 = _load_tile(ahead, offs_a, n, N, s + 2, S)
-            r2 = r_ahead
-            if HAS_B:
-                b1 = b2
-                b2 = _load_tile(ahead, offs_b, n, N, s + 2, S, b_ok)
-        if PREFETCH == 3:
-            n1, r1, n2, r2 = n2, r2, n3, r3
-            n3 = _load_tile(ahead, offs_a, n, N, s + 3, S)
-            r3 = r_ahead
-            if HAS_B:
-                b1, b2 = b2, b3
-                b3 = _load_tile(ahead, offs_b, n, N, s + 3, S, b_ok)
-        src += stride_s
-        rms += N
+    for s in tl.range(S, num_stages=STAGES):
+        src = src_ptr + tl.cast(s, tl.int64) * stride_s
+        xa = tl.load(src + offs_a, mask=row_ok, other=0.0).to(tl.float32)
+        r = tl.load(rms_ptr + tl.cast(s, tl.int64) * N + n, mask=n_ok, other=1.0)[:, None]
         z = tl.sum(xa * qg_a, axis=2)  # [BLOCK_N, BLOCK_G]
         if HAS_B:
+            xb = tl.load(src + offs_b, mask=row_ok & b_ok, other=0.0).to(tl.float32)
             z += tl.sum(xb * qg_b, axis=2)
         z = z * r
         m, l, alpha, p = _softmax_step(m, l, z)
@@ -368,9 +318,8 @@ def _history_fwd_kernel(
             acc_b = acc_b * alpha[:, :, None] + p[:, :, None] * xb
 
     inv_l = 1.0 / l[:, :, None]
-    n_ok = (n < N)[:, None, None]
-    first = n_ok & (k == 0)
-    later = n_ok & (k > 0) & k_ok
+    first = row_ok & (k == 0)
+    later = row_ok & (k > 0) & k_ok
     rest_offs = (k.to(tl.int64) - 1) * N * D
     out_a = (acc_a * inv_l).to(out0_ptr.dtype.element_ty)
     tl.store(out0_ptr + offs_a + k * 0, out_a, mask=first)
@@ -380,7 +329,7 @@ def _history_fwd_kernel(
         tl.store(out0_ptr + offs_b + k * 0, out_b, mask=first & b_ok)
         tl.store(rest_ptr + rest_offs + offs_b, out_b, mask=later & b_ok)
     kn = tl.arange(0, BLOCK_G)[None, :] * N * H + n[:, None] * H + head  # [BLOCK_N, BLOCK_G]
-    tl.store(lse_ptr + kn, m + tl.log(l), mask=(n < N)[:, None] & (tl.arange(0, BLOCK_G) < G)[None, :])
+    tl.store(lse_ptr + kn, m + tl.log(l), mask=n_ok[:, None] & (tl.arange(0, BLOCK_G) < G)[None, :])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -400,24 +349,25 @@ def _num_warps(d: int, num_heads: int, block_g: int) -> int:
     return min(32, 1 << (warps.bit_length() - 1))
 
 
-# Launch configuration of the head-tiled kernels by the number of sites G (padded): tokens per program,
-# warps, sources in flight ahead of the one being reduced (1 to 3). A benchmark may replace entries to
-# sweep them. On the interpreter: two-token tiles, so that tests cover the token mask, and two sources
-# ahead.
-# Measured on the H200 at paper350m (benchmarks/bench_stack.py): one warp per program and two sources in
-# flight ran fastest at G = 4 and 8 (more warps or a third source ahead were slower).
+# Launch configuration of the head-tiled kernel by the number of sites G (padded): tokens per program,
+# warps, pipeline stages over the sources; "fwd_split" where a head is split in two blocks (a width that is
+# not a power of two: with one token the rest block's loads are 2 bytes a thread). Measured on the H200 at
+# G = 4 (benchmarks/bench_kernels.py): d = 1024 one token 3.3 ms a step, two 4.0; d = 1280 one token
+# 14.5 ms, two 7.8; 2 to 8 stages alike. A benchmark may replace entries to sweep them. On the interpreter:
+# two-token tiles, so that tests cover the token mask.
 HISTORY_CONFIG: dict[str, dict[int, tuple[int, int, int]]] = {
-    "fwd": {2: (1, 1, 2), 4: (1, 1, 2), 8: (1, 1, 2), 16: (1, 2, 2)},
+    "fwd": {2: (1, 1, 4), 4: (1, 1, 4), 8: (1, 1, 4), 16: (1, 2, 4)},
+    "fwd_split": {2: (2, 1, 4), 4: (2, 1, 4), 8: (2, 1, 4), 16: (2, 2, 4)},  # heads split in two blocks
 }
 _INTERPRETER_CONFIG = (2, 1, 2)
 
 
 def _history_config(kind: str, block_g: int, device: torch.device) -> tuple[int, dict]:
     if device.type == "cpu":
-        block_n, _, prefetch = _INTERPRETER_CONFIG
-        return block_n, {"PREFETCH": prefetch}
-    block_n, warps, prefetch = HISTORY_CONFIG[kind].get(block_g, (1, 2, 2))
-    return block_n, {"num_warps": warps, "PREFETCH": prefetch}
+        block_n, _, stages = _INTERPRETER_CONFIG
+        return block_n, {"STAGES": stages}
+    block_n, warps, stages = HISTORY_CONFIG[kind].get(block_g, HISTORY_CONFIG[kind][16])
+    return block_n, {"num_warps": warps, "STAGES": stages}
 
 
 def write_slot(source: Tensor, slot: Tensor, rms: Tensor, eps: float) -> None:
@@ -457,8 +407,9 @@ def history_forward(sources: Tensor, rms: Tensor, qg: Tensor, num_heads: int, ou
     if N == 0:
         return
     block_g = _block_g(G)
-    block_n, options = _history_config("fwd", block_g, sources.device)
-    meta = {**head_meta(d, num_heads, has_b=True), "BLOCK_G": block_g, "BLOCK_N": block_n, **options}
+    meta = head_meta(d, num_heads, has_b=True)
+    block_n, options = _history_config("fwd_split" if meta["HAS_B"] else "fwd", block_g, sources.device)
+    meta.update(BLOCK_G=block_g, BLOCK_N=block_n, **options)
     launch(_history_fwd_kernel, (triton.cdiv(N, block_n), num_heads),
            (sources, rms, qg, out, rest, lse, N, S, G, N * d), meta, sources.device)
 

@@ -22,7 +22,8 @@ for backward). Here, per forward pass:
   gradient in one pass over those sites (``kernels.column``). A block's partial sum, which is no slot,
   gets its gradient from the site that reads it, at once.
 - the routing parameters' gradients are summed into one (sites, d) buffer and handed to autograd once, by
-  the writer of slot 0, whose backward runs last.
+  the writer of slot 0, whose backward runs last; the slots' share of them is one matrix product over
+  every slot's kept ``dz * r`` there (``kernels.column.query_grads``).
 
 Order in backward: a slot's gradient is complete only after every site that reads it has run its backward.
 Autograd knows nothing of the buffer, so each slot write returns a small dependency token that the next
@@ -226,6 +227,13 @@ class FusedState:
             self.grad_out = torch.empty((n, self.N, self.d), dtype=self.dtype, device=dev)
             self.delta = torch.empty((n, self.N, self.res.num_heads), dtype=torch.float32, device=dev)
             self.dqg = torch.zeros((n, self.d), dtype=torch.float32, device=dev)
+            # Every slot's dz * r, (H, S_j, N) one after the other, for the query gradients' one product
+            # over all slots (``parameter_grads``).
+            from ...kernels.column import dzr_size
+
+            rows = dzr_size(self.buffer.shape[0], n, self.res.block_sublayers)
+            self.dzr = torch.empty(rows * self.res.num_heads * self.N, dtype=torch.float32, device=dev)
+            self.dzr_written = [False] * self.buffer.shape[0]
 
     def route_backward(self, site: int, grad_out: Tensor, out: Tensor, partial: Tensor | None) -> Tensor | None:
         """Keep the site's output gradient and delta for the slots' backward; return the gradient of the
@@ -248,7 +256,7 @@ class FusedState:
 
     def slot_grad(self, slot: int) -> Tensor:
         """The slot's gradient (N, d), from every site that reads it: sites [first, n_sites)."""
-        from ...kernels.column import column_backward
+        from ...kernels.column import dzr_offset, slot_grad
 
         if self.grad_out is None:  # no site's output reached the loss
             return torch.zeros((self.N, self.d), dtype=self.dtype, device=self.buffer.device)
@@ -259,15 +267,26 @@ class FusedState:
                 self.delta[s].zero_()
         self.clean_from = min(self.clean_from, first)
         sites = slice(first, self.res.n_sites)
-        grad, dqg = column_backward(self.buffer[slot], self.rms[slot], self.grad_out[sites], self.lse[sites],
-                                    self.delta[sites], self.qg[sites], self.res.num_heads)
-        self.dqg[sites] += dqg
+        S, H = self.res.n_sites - first, self.res.num_heads
+        start = dzr_offset(slot, self.res.n_sites, self.res.block_sublayers) * H * self.N
+        dzr = self.dzr[start:start + S * H * self.N].view(H, S, self.N)
+        grad, _ = slot_grad(self.buffer[slot], self.rms[slot], self.grad_out[sites], self.lse[sites],
+                            self.delta[sites], self.qg[sites], H, dzr=dzr)
+        self.dzr_written[slot] = True
         return grad
 
     def parameter_grads(self, query: Tensor, key_weight: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """Gradients of the routing queries and key gains, from the summed gradient of their product."""
         if self.dqg is None:
             return None, None
+        from ...kernels.column import dzr_offset, query_grads
+
+        n, H, K = self.res.n_sites, self.res.num_heads, self.res.block_sublayers
+        for slot, written in enumerate(self.dzr_written):
+            if not written:  # its writer's backward did not run: it contributes nothing
+                start, stop = (dzr_offset(j, n, K) * H * self.N for j in (slot, slot + 1))
+                self.dzr[start:stop].zero_()
+        self.dqg += query_grads(self.dzr, self.buffer, self.res.num_heads, self.res.n_sites, self.res.block_sublayers)
         return (self.dqg * key_weight.float()).to(query.dtype), (self.dqg * query.float()).to(key_weight.dtype)
 
 

@@ -1,0 +1,317 @@
+"""Every routing kernel of the fused path's training step, alone, at a model preset's shapes: the calls one
+step of ``full`` grouping makes (``model/residual/fused.py``'s plan, four sites a pass), each kernel's
+calls replayed together from a CUDA graph, their time, the bytes they must move and that over the copy
+bandwidth measured in the same run. Launch configurations can be swept, each checked against the default's
+outputs first; with ``--prev DIR`` (a package ``prev_kernels`` holding an earlier ``history.py``,
+``column.py`` and ``launch.py``, whose column module has ``slot_grad``) the earlier kernels are timed beside
+them, for example those of a commit REV:
+
+    mkdir -p .gpu-prev/prev_kernels && touch .gpu-prev/prev_kernels/__init__.py
+    for f in launch history column; do git show REV:mhar_ablate/kernels/$f.py > .gpu-prev/prev_kernels/$f.py; done
+
+(carry ``.gpu-prev`` to the device machine).
+
+    PYTHONPATH=$PWD python3 benchmarks/bench_kernels.py --presets paper350m,paper1b --out $OUT \\
+        --column-configs '1,4,2;1,4,4' --history-configs '4:1,1,6;4:2,1,4'
+
+Bytes per call (e = bytes of an element of the buffer, U = N·d·e one source):
+- write_slot: read the source and write the slot, 2 U, and the RMS (N fp32).
+- history_fwd (the shared pass of G sites over S slots): S U + S·N·4 (RMS) read, G U + G·N·H·4 (lse) written.
+- sites_fwd (a site's merge with its k extra slots, and the lone last group): k U + the partial state U read,
+  U written, the log-sum-exps read and written.
+- sites_bwd (each site's backward prologue): the output gradient and the output read, the copy written, 3 U,
+  the log-sum-exps read and delta written.
+- column (one slot read by S sites): the slot U, the S output gradients S U, the gradient U; the sites'
+  log-sum-exps and deltas read, dz·r written: 3·S·N·H·4.
+- query_grad (one product over all slots): every slot's dz·r and every slot read, the per-slot sums
+  (slots·sites·d·4) zeroed, written and summed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+
+from bench_stack import graph_time, rel  # benchmarks/, beside this script
+from mhar_ablate.config import RunConfig, load_preset
+from mhar_ablate.model.residual.fused import plan_sites
+
+SITES_PER_PASS = 4
+# The paper's tokens per step (mhar_ablate/bench.py): 8 x 2048 at 100M, 8 x 1024 otherwise; a few on the CPU.
+BATCH = {"paper100m": (8, 2048), "tiny": (1, 6)}
+
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy of 4 GB, bytes read + written per second (median)."""
+    if device.type == "cpu":  # a smoke run of the script's logic (the interpreter): nothing to compare with
+        return float("nan")
+    a = torch.empty(1 << 30, dtype=torch.float32, device=device).normal_()
+    b = torch.empty_like(a)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=25, rep=200, return_mode="median")
+    del a, b
+    return 2 * (4 << 30) / (ms * 1e-3)
+
+
+class Step:
+    """The buffers of one step and, per kernel, the calls that step makes (closures) and their bytes."""
+
+    def __init__(self, preset: str, heads: int, dtype: torch.dtype, device, kernels, prev=None):
+        cfg = RunConfig()
+        load_preset(cfg, preset)
+        d, layers = cfg.model.d_model, cfg.model.n_layers
+        batch, seq = BATCH.get(preset, (8, cfg.model.seq_len))
+        self.preset, self.d, self.H, self.N = preset, d, heads, batch * seq
+        self.n_sites = 2 * layers + 1
+        N, H, n = self.N, heads, self.n_sites
+        e = torch.empty((), dtype=dtype).element_size()
+        self.U = N * d * e
+        gen = torch.Generator(device=device).manual_seed(0)
+
+        def randn(*shape, scale=1.0):
+            return (scale * torch.randn(*shape, generator=gen, device=device)).to(dtype)
+
+        self.source = randn(n, N, d)  # what the sublayers wrote
+        self.buffer = torch.empty((n, N, d), dtype=dtype, device=device)
+        self.rms = torch.empty((n, N), dtype=torch.float32, device=device)
+        for j in range(n):
+            kernels["history"].write_slot(self.source[j], self.buffer[j], self.rms[j], 1e-6)
+        self.qg = torch.randn(n, d, generator=gen, device=device) * 0.5 / d ** 0.5 * 8
+        self.lse = torch.empty((n, N, H), dtype=torch.float32, device=device)
+        self.grad_out = randn(n, N, d)
+        self.out = randn(n, N, d)
+        self.delta = torch.empty((n, N, H), dtype=torch.float32, device=device)
+        self.plans = plan_sites(n, 1, SITES_PER_PASS)
+        self.first = {}
+        self.rest = {}
+        for p in self.plans:
+            if p.k == 0:
+                self.first[p.start] = torch.empty((N, d), dtype=dtype, device=device)
+                self.rest[p.start] = torch.empty((max(p.size - 1, 1), N, d), dtype=dtype, device=device)
+        self.merged = torch.empty((N, d), dtype=dtype, device=device)
+        self.dzr = torch.randn(kernels["column"].dzr_size(n, n, 1) * H * N, generator=gen, device=device)
+        self.copy = torch.empty((n, N, d), dtype=dtype, device=device)
+        # The statistics a real forward leaves: run the forward passes once with the default kernels.
+        for fn, _ in self.calls("history_fwd", kernels) + self.calls("sites_fwd", kernels):
+            fn()
+        for fn, _ in self.calls("sites_bwd", kernels):
+            fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def calls(self, kind: str, kernels) -> list[tuple]:
+        """(closure, bytes) for each call of ``kind`` in one step."""
+        history, column = kernels["history"], kernels["column"]
+        N, d, H, U, eps = self.N, self.d, self.H, self.U, 1e-6
+        out = []
+        if kind == "write_slot":
+            for j in range(self.n_sites):
+                out.append((lambda j=j: history.write_slot(self.source[j], self.buffer[j], self.rms[j], eps),
+                            2 * U + N * 4))
+        elif kind in ("history_fwd", "sites_fwd"):
+            for p in self.plans:
+                rows = slice(p.start, p.start + p.size)
+                h = p.history
+                if p.k == 0 and kind == "history_fwd" and p.size > 2:
+                    out.append((lambda p=p, rows=rows, h=h: (history.history_forward(
+                        self.buffer[:h], self.rms[:h], self.qg[rows], H, self.first[p.start], self.rest[p.start],
+                        self.lse[rows]), self.first[p.start], self.rest[p.start][:p.size - 1], self.lse[rows])[1:],
+                        h * U + h * N * 4 + p.size * (U + N * H * 4)))
+                if p.k == 0 and kind == "sites_fwd" and p.size <= 2:
+                    out.append((lambda p=p, rows=rows, h=h: history.sites_forward(
+                        self.buffer[:h], self.qg[rows], H, eps, self.first[p.start],
+                        self.rest[p.start] if p.size > 1 else None, self.lse[rows], rms=self.rms[:h]),
+                        h * U + h * N * 4 + p.size * (U + N * H * 4)))
+                if p.k > 0 and kind == "sites_fwd":
+                    site = p.start + p.k
+                    state = self.rest[p.start][p.k - 1]
+                    # The merge reads its log-sum-exp and writes it back in place: run on a copy of the state,
+                    # so that replays see the same inputs.
+                    out.append((lambda p=p, site=site, state=state, h=h: history.sites_forward(
+                        self.buffer[h:h + p.k], self.qg[site:site + 1], H, eps, self.merged, None,
+                        self.lse[site:site + 1], init=state.unsqueeze(0), rms=self.rms[h:h + p.k]),
+                        p.k * U + p.k * N * 4 + 2 * U + 2 * N * H * 4))
+        elif kind == "sites_bwd":
+            empty = self.buffer[:0]
+            for s in range(self.n_sites):
+                out.append((lambda s=s: history.sites_backward(
+                    empty, empty, False, self.qg[s:s + 1], H, eps, self.grad_out[s:s + 1], self.lse[s:s + 1],
+                    self.delta[s:s + 1], out=self.out[s], grad_copy=self.copy[s:s + 1]), 3 * U + 2 * N * H * 4))
+        elif kind == "column":
+            for j in range(self.n_sites):
+                S = self.n_sites - j
+                out.append((lambda j=j: column.slot_grad(self.buffer[j], self.rms[j], self.copy[j:], self.lse[j:],
+                                                         self.delta[j:], self.qg[j:], H),
+                             (S + 2) * U + N * 4 + 3 * S * N * H * 4))
+        elif kind == "query_grad":  # one product over every slot of the step
+            P = column.dzr_size(self.n_sites, self.n_sites, 1)
+            out.append((lambda: (column.query_grads(self.dzr, self.buffer, H, self.n_sites, 1),),
+                        P * H * N * 4 + self.n_sites * U + 3 * self.n_sites * self.n_sites * d * 4))
+        else:
+            raise ValueError(kind)
+        return out
+
+
+KINDS = ("write_slot", "history_fwd", "sites_fwd", "sites_bwd", "column", "query_grad")
+
+
+def time_calls(calls, device, reps: int = 10) -> float:
+    """Median ms of the calls replayed together from one CUDA graph (on the CPU: one run, interpreted)."""
+    if device.type == "cpu":
+        t0 = time.perf_counter()
+        for fn, _ in calls:
+            fn()
+        return (time.perf_counter() - t0) * 1e3
+    for fn, _ in calls:  # compile outside the capture
+        fn()
+    return graph_time(lambda: [fn() for fn, _ in calls], steps=reps)
+
+
+def outputs(calls) -> list[torch.Tensor]:
+    """What the calls return (the tensors they wrote), cloned, each call run once."""
+    got = []
+    for fn, _ in calls:
+        got += [t.clone() for t in fn()]
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return got
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def parse_configs(text: str, with_g: bool) -> list:
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(";"))):
+        if with_g:
+            g, cfg = item.split(":")
+            out.append((int(g), tuple(int(v) for v in cfg.split(","))))
+        else:
+            out.append(tuple(int(v) for v in item.split(",")))
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--presets", default="paper350m")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--device", default="cuda", help="cuda; cpu runs the script's logic through the interpreter "
+                   "(tiny preset) to check it, timing nothing that matters")
+    p.add_argument("--column-configs", default="", help="'TOKENS,WARPS,STAGES;...' for the column kernel")
+    p.add_argument("--history-configs", default="", help="'G:TOKENS,WARPS,STAGES;...' for the head-tiled forward")
+    p.add_argument("--query-configs", default="", help="'SITES,TOKENS,WARPS,STAGES;...' for query_grad")
+    p.add_argument("--profile", action="store_true", help="no timing: run one call of the column, the head-tiled "
+                   "forward and query_grad per version, inside an NVTX range 'profile' (for ncu --nvtx-include)")
+    p.add_argument("--prev", default="", help="folder holding a package prev_kernels (earlier kernels) to time too")
+    p.add_argument("--out", default=os.environ.get("OUT", "bench_kernels_out"))
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    device = torch.device(args.device)
+    from mhar_ablate.kernels import column, history
+
+    current = {"history": history, "column": column}
+    prev = None
+    if args.prev:
+        sys.path.insert(0, args.prev)
+        prev = {"history": importlib.import_module("prev_kernels.history"),
+                "column": importlib.import_module("prev_kernels.column")}
+    copy = copy_bandwidth(device)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"{name}, torch {torch.__version__}, triton {triton.__version__}; "
+          f"copy {copy / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    for preset in args.presets.split(","):
+        step = Step(preset, args.heads, torch.bfloat16, device, current)
+        print(f"{preset}: d {step.d}, N {step.N}, {step.n_sites} sites", flush=True)
+
+        def record(kind, label, kernels, check=None):
+            calls = step.calls(kind, kernels)
+            t0 = time.perf_counter()
+            ms = time_calls(calls, device)
+            err = None
+            if check is not None:
+                err = max(rel(a.double(), b.double()) for a, b in zip(outputs(calls), check))
+            gb = sum(b for _, b in calls) / 1e9
+            row = {"preset": preset, "kernel": kind, "version": label, "calls": len(calls), "ms": round(ms, 3),
+                   "GB": round(gb, 3), "TB/s": round(gb / ms, 3), "of copy": round(gb / ms / (copy / 1e12), 3),
+                   "rel err vs default": err, "wall s": round(time.perf_counter() - t0, 1)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            return ms
+
+        if not args.profile:
+            for kind in KINDS:
+                record(kind, "default", current)
+        reference = {k: outputs(step.calls(k, current)) for k in ("history_fwd", "column", "query_grad")}
+        # The column kernels first: the head-tiled forward rewrites the log-sum-exps that they read.
+        saved = (column.COLUMN_CONFIG, column.QUERY_GRAD_CONFIG, column.COLUMN_MAXNREG,
+                 {k: dict(v) for k, v in history.HISTORY_CONFIG.items()})
+        variants = [("column", "prev", prev, None)] if prev is not None else []
+        variants += [("column", f"col {c}", current, ("col", c)) for c in parse_configs(args.column_configs, False)]
+        variants += [("query_grad", f"qg {c}", current, ("qg", c)) for c in parse_configs(args.query_configs, False)]
+        if prev is not None:
+            variants.append(("history_fwd", "prev", prev, None))
+        variants += [("history_fwd", f"fwd G{g} {c}", current, (g, c))
+                     for g, c in parse_configs(args.history_configs, True)]
+
+        def apply(setting):
+            if setting is None:
+                return
+            what, cfg = setting
+            if what == "col":  # TOKENS, WARPS, STAGES (0: the prefetching kernel), optional MAXNREG
+                column.COLUMN_CONFIG, column.COLUMN_MAXNREG = cfg[:3], cfg[3] if len(cfg) > 3 else 0
+            elif what == "qg":
+                column.QUERY_GRAD_CONFIG = cfg
+            else:  # the preset's head split decides which table is read
+                history.HISTORY_CONFIG["fwd"][what] = history.HISTORY_CONFIG["fwd_split"][what] = cfg
+
+        def restore():
+            column.COLUMN_CONFIG, column.QUERY_GRAD_CONFIG, column.COLUMN_MAXNREG = saved[:3]
+            history.HISTORY_CONFIG = {k: dict(v) for k, v in saved[3].items()}
+
+        if args.profile:
+            import torch.cuda.nvtx as nvtx
+
+            for kind, label, kernels, setting in [("column", "default", current, None),
+                                                  ("history_fwd", "default", current, None),
+                                                  ("query_grad", "default", current, None)] + variants:
+                apply(setting)
+                calls = step.calls(kind, kernels)
+                fn = calls[0][0] if kind != "history_fwd" else calls[-1][0]
+                fn()  # compile outside the range
+                sync()
+                with nvtx.range("profile"):
+                    fn()
+                sync()
+                print(f"profiled: {preset} {kind} {label}", flush=True)
+                restore()
+            continue
+        for kind, label, kernels, setting in variants:
+            apply(setting)
+            try:
+                record(kind, label, kernels, reference[kind])
+            except Exception as exc:  # a configuration that does not compile or fit: say so, go on
+                print(f"{kind} {label}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            restore()
+        del step
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    with open(os.path.join(args.out, "bench_kernels.json"), "w") as f:
+        json.dump({"copy_TBps": copy / 1e12, "rows": rows}, f, indent=1)
+    if rows:
+        import pandas as pd
+
+        print(pd.DataFrame(rows).drop(columns=["wall s"]).to_markdown(index=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Issue 16 on a GPU machine, in one call: the fused path's kernels against the float64 oracle
+# (tests/test_kernels_gpu.py, the history, column and fused-path tests), then every routing kernel of a
+# training step timed alone with its bytes and share of the copy bandwidth (benchmarks/bench_kernels.py),
+# launch configurations swept. Logs and JSON under $OUT.
+#
+#   OUT=$OUT PRESETS=paper350m,paper1b PREV=.gpu-prev COL='1,4,2;1,4,4' HIST='4:1,1,6' QUERY='64,64,4,3' \
+#       bash benchmarks/gpu_kernel_sweep.sh
+#
+# PREV: a folder with a package prev_kernels (earlier history.py, column.py, launch.py) to time beside the
+# current kernels; PROFILE='PRESET:COLUMN_CONFIGS ...' runs Nsight Compute on one call per version first;
+# TESTS=0 skips the tests.
+set -uo pipefail
+OUT=${OUT:-gpu-kernels}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
+if [ "${TESTS:-1}" = 1 ]; then
+  timeout "${TEST_LIMIT:-240}" python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_gpu.py \
+    -k "${TEST_SELECT:-history or column or sites or fused or write_slot}" 2>&1 | tail -5 | tee "$OUT/tests.log"
+fi
+if [ -n "${PROFILE:-}" ]; then  # PROFILE='PRESET:COLUMN_CONFIGS PRESET:...': Nsight Compute on one call per version
+  for item in $PROFILE; do
+    preset=${item%%:*} cols=${item#*:}
+    timeout "${PROFILE_LIMIT:-150}" ncu --clock-control none --nvtx --nvtx-include "profile/" \
+      --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+      --section LaunchStats -f -o "$OUT/prof-$preset" python3 benchmarks/bench_kernels.py --profile \
+      --presets "$preset" --column-configs "$cols" --out "$OUT" > "$OUT/ncu-$preset.log" 2>&1
+    grep profiled "$OUT/ncu-$preset.log"
+    ncu --import "$OUT/prof-$preset.ncu-rep" --page raw --csv > "$OUT/raw-$preset.csv" 2>/dev/null
+    python3 benchmarks/ncu_summary.py "$OUT/raw-$preset.csv" | tee "$OUT/ncu-$preset.md"
+  done
+fi
+python3 benchmarks/bench_kernels.py --presets "${PRESETS:-paper350m}" --out "$OUT" ${PREV:+--prev "$PREV"} \
+  --column-configs "${COL:-}" --history-configs "${HIST:-}" --query-configs "${QUERY:-}" 2>&1 \
+  | tee "$OUT/bench_kernels.log"
