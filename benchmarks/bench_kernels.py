@@ -62,7 +62,7 @@ def copy_bandwidth(device) -> float:
 class Step:
     """The buffers of one step and, per kernel, the calls that step makes (closures) and their bytes."""
 
-    def __init__(self, preset: str, heads: int, dtype: torch.dtype, device, kernels, prev=None):
+    def __init__(self, preset: str, heads: int, dtype: torch.dtype, device, kernels):
         cfg = RunConfig()
         load_preset(cfg, preset)
         d, layers = cfg.model.d_model, cfg.model.n_layers
@@ -95,15 +95,14 @@ class Step:
                 self.first[p.start] = torch.empty((N, d), dtype=dtype, device=device)
                 self.rest[p.start] = torch.empty((max(p.size - 1, 1), N, d), dtype=dtype, device=device)
         self.merged = torch.empty((N, d), dtype=dtype, device=device)
-        self.dzr = torch.randn(kernels["column"].dzr_size(n, n, 1) * H * N, generator=gen, device=device)
+        self.dzr = torch.randn(kernels["column"].dzr_rows(n, n, 1) * H * N, generator=gen, device=device)
         self.copy = torch.empty((n, N, d), dtype=dtype, device=device)
         # The statistics a real forward leaves: run the forward passes once with the default kernels.
         for fn, _ in self.calls("history_fwd", kernels) + self.calls("sites_fwd", kernels):
             fn()
         for fn, _ in self.calls("sites_bwd", kernels):
             fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        sync()
 
     def calls(self, kind: str, kernels) -> list[tuple]:
         """(closure, bytes) for each call of ``kind`` in one step."""
@@ -119,10 +118,13 @@ class Step:
                 rows = slice(p.start, p.start + p.size)
                 h = p.history
                 if p.k == 0 and kind == "history_fwd" and p.size > 2:
-                    out.append((lambda p=p, rows=rows, h=h: (history.history_forward(
-                        self.buffer[:h], self.rms[:h], self.qg[rows], H, self.first[p.start], self.rest[p.start],
-                        self.lse[rows]), self.first[p.start], self.rest[p.start][:p.size - 1], self.lse[rows])[1:],
-                        h * U + h * N * 4 + p.size * (U + N * H * 4)))
+                    def shared_pass(p=p, rows=rows, h=h):
+                        first, rest = self.first[p.start], self.rest[p.start]
+                        history.history_forward(self.buffer[:h], self.rms[:h], self.qg[rows], H, first, rest,
+                                                self.lse[rows])
+                        return first, rest[:p.size - 1], self.lse[rows]
+
+                    out.append((shared_pass, h * U + h * N * 4 + p.size * (U + N * H * 4)))
                 if p.k == 0 and kind == "sites_fwd" and p.size <= 2:
                     out.append((lambda p=p, rows=rows, h=h: history.sites_forward(
                         self.buffer[:h], self.qg[rows], H, eps, self.first[p.start],
@@ -131,8 +133,9 @@ class Step:
                 if p.k > 0 and kind == "sites_fwd":
                     site = p.start + p.k
                     state = self.rest[p.start][p.k - 1]
-                    # The merge reads its log-sum-exp and writes it back in place: run on a copy of the state,
-                    # so that replays see the same inputs.
+                    # The merge writes its output to a scratch row, but its log-sum-exp back in place: each replay
+                    # moves it a little, which changes no timing (the column kernels, which read it, are
+                    # checked against outputs computed after every merge has run).
                     out.append((lambda p=p, site=site, state=state, h=h: history.sites_forward(
                         self.buffer[h:h + p.k], self.qg[site:site + 1], H, eps, self.merged, None,
                         self.lse[site:site + 1], init=state.unsqueeze(0), rms=self.rms[h:h + p.k]),
@@ -150,7 +153,7 @@ class Step:
                                                          self.delta[j:], self.qg[j:], H),
                              (S + 2) * U + N * 4 + 3 * S * N * H * 4))
         elif kind == "query_grad":  # one product over every slot of the step
-            P = column.dzr_size(self.n_sites, self.n_sites, 1)
+            P = column.dzr_rows(self.n_sites, self.n_sites, 1)
             out.append((lambda: (column.query_grads(self.dzr, self.buffer, H, self.n_sites, 1),),
                         P * H * N * 4 + self.n_sites * U + 3 * self.n_sites * self.n_sites * d * 4))
         else:
@@ -178,8 +181,7 @@ def outputs(calls) -> list[torch.Tensor]:
     got = []
     for fn, _ in calls:
         got += [t.clone() for t in fn()]
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    sync()
     return got
 
 

@@ -1,5 +1,5 @@
 """Graph size under torch.compile of each residual kind's model: FX nodes of the AOT forward and backward
-graphs of the training loss (cross-entropy of the whole Decoder, under autocast), the seconds of the
+graphs of the training loss (``training.step.make_loss``, under autocast), the seconds of the
 first forward+backward (compiling) and of the next one (running only).
 
 Compile time grows with these graphs (docs/benchmarks.md, "Comparison family", has the counts and the
@@ -29,12 +29,12 @@ import contextlib
 import time
 
 import torch
-import torch.nn.functional as F
 
 from mhar_ablate.bench import cell, markdown_table
 from mhar_ablate.config import build_config
 from mhar_ablate.model import Decoder
 from mhar_ablate.model.residual import mhc
+from mhar_ablate.training.step import make_loss
 
 TINY = {"model.d_model": "64", "model.ffn": "128", "model.n_heads": "4", "model.n_kv_heads": "2"}
 
@@ -86,14 +86,10 @@ def measure(over: dict, args, device: torch.device) -> tuple[int | None, int | N
     torch.manual_seed(0)
     model = Decoder(cfg.model, cfg.residual, cfg.model.vocab_size).to(device)
     vocab = cfg.model.vocab_size
-
-    def loss_fn(x, y):
-        return F.cross_entropy(model(x).float().view(-1, vocab), y.reshape(-1))
-
     counts: dict = {}
     torch._dynamo.reset()
     backend = counting_backend(counts) if args.backend == "count" else "inductor"
-    compiled = torch.compile(loss_fn, backend=backend)
+    compiled = torch.compile(make_loss(model, None), backend=backend)  # the training loss, uncompiled, compiled here
     x, y = (torch.randint(0, vocab, (args.batch, args.seq), device=device) for _ in range(2))
     seconds = []
     for _ in range(2):

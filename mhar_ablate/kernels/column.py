@@ -35,7 +35,7 @@ from torch import Tensor
 
 from .launch import head_meta, launch
 
-__all__ = ["column_backward", "slot_grad", "query_grads", "dzr_size", "dzr_offset"]
+__all__ = ["column_backward", "slot_grad", "query_grads", "dzr_rows"]
 
 
 @triton.jit
@@ -331,21 +331,17 @@ def slot_grad(x: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta: Tens
     return dx, dzr
 
 
-def dzr_size(n_slots: int, n_sites: int, block: int) -> int:
-    """Sites read by all slots together, when slot j is read by sites ``block * j`` .. ``n_sites - 1``: the
-    rows of ``dzr`` that ``query_grads`` takes (times H * N elements)."""
-    return n_slots * n_sites - block * n_slots * (n_slots - 1) // 2
-
-
-def dzr_offset(slot: int, n_sites: int, block: int) -> int:
-    """Where slot ``slot``'s (H, S, N) block of ``dzr`` starts, in units of H * N elements."""
-    return dzr_size(slot, n_sites, block)
+def dzr_rows(slots: int, n_sites: int, block: int) -> int:
+    """Sites read by slots 0 .. ``slots`` - 1 together, when slot j is read by sites ``block * j`` ..
+    ``n_sites - 1``: where slot ``slots``'s (H, S, N) block of ``dzr`` starts, in units of H * N elements
+    (with ``slots`` = every slot, the size of ``dzr``)."""
+    return slots * n_sites - block * slots * (slots - 1) // 2
 
 
 def query_grads(dzr: Tensor, sources: Tensor, num_heads: int, n_sites: int, block: int) -> Tensor:
     """The sites' ``qg`` gradients (n_sites, d) fp32 from every slot at once: ``sources`` (slots, N, d)
     and, for each slot j in turn (read by sites ``block * j`` .. ``n_sites - 1``), its ``dz * r`` (H, S_j, N)
-    packed one after the other in ``dzr`` (``dzr_offset``)."""
+    packed one after the other in ``dzr`` (``dzr_rows``)."""
     n_slots, N, d = sources.shape
     block_c = _channel_block(d // num_heads)
     use_dot = block_c >= 16

@@ -229,11 +229,20 @@ class FusedState:
             self.dqg = torch.zeros((n, self.d), dtype=torch.float32, device=dev)
             # Every slot's dz * r, (H, S_j, N) one after the other, for the query gradients' one product
             # over all slots (``parameter_grads``).
-            from ...kernels.column import dzr_size
+            from ...kernels.column import dzr_rows
 
-            rows = dzr_size(self.buffer.shape[0], n, self.res.block_sublayers)
+            rows = dzr_rows(self.buffer.shape[0], n, self.res.block_sublayers)
             self.dzr = torch.empty(rows * self.res.num_heads * self.N, dtype=torch.float32, device=dev)
             self.dzr_written = [False] * self.buffer.shape[0]
+
+    def _dzr_of(self, slot: int) -> Tensor:
+        """Slot ``slot``'s (H, S, N) block of ``dzr``: dz * r of the S sites that read it."""
+        from ...kernels.column import dzr_rows
+
+        n, H, K = self.res.n_sites, self.res.num_heads, self.res.block_sublayers
+        start = dzr_rows(slot, n, K) * H * self.N
+        S = n - slot * K
+        return self.dzr[start:start + S * H * self.N].view(H, S, self.N)
 
     def route_backward(self, site: int, grad_out: Tensor, out: Tensor, partial: Tensor | None) -> Tensor | None:
         """Keep the site's output gradient and delta for the slots' backward; return the gradient of the
@@ -256,7 +265,7 @@ class FusedState:
 
     def slot_grad(self, slot: int) -> Tensor:
         """The slot's gradient (N, d), from every site that reads it: sites [first, n_sites)."""
-        from ...kernels.column import dzr_offset, slot_grad
+        from ...kernels.column import slot_grad
 
         if self.grad_out is None:  # no site's output reached the loss
             return torch.zeros((self.N, self.d), dtype=self.dtype, device=self.buffer.device)
@@ -267,11 +276,8 @@ class FusedState:
                 self.delta[s].zero_()
         self.clean_from = min(self.clean_from, first)
         sites = slice(first, self.res.n_sites)
-        S, H = self.res.n_sites - first, self.res.num_heads
-        start = dzr_offset(slot, self.res.n_sites, self.res.block_sublayers) * H * self.N
-        dzr = self.dzr[start:start + S * H * self.N].view(H, S, self.N)
         grad, _ = slot_grad(self.buffer[slot], self.rms[slot], self.grad_out[sites], self.lse[sites],
-                            self.delta[sites], self.qg[sites], H, dzr=dzr)
+                            self.delta[sites], self.qg[sites], self.res.num_heads, dzr=self._dzr_of(slot))
         self.dzr_written[slot] = True
         return grad
 
@@ -279,13 +285,11 @@ class FusedState:
         """Gradients of the routing queries and key gains, from the summed gradient of their product."""
         if self.dqg is None:
             return None, None
-        from ...kernels.column import dzr_offset, query_grads
+        from ...kernels.column import query_grads
 
-        n, H, K = self.res.n_sites, self.res.num_heads, self.res.block_sublayers
         for slot, written in enumerate(self.dzr_written):
             if not written:  # its writer's backward did not run: it contributes nothing
-                start, stop = (dzr_offset(j, n, K) * H * self.N for j in (slot, slot + 1))
-                self.dzr[start:stop].zero_()
+                self._dzr_of(slot).zero_()
         self.dqg += query_grads(self.dzr, self.buffer, self.res.num_heads, self.res.n_sites, self.res.block_sublayers)
         return (self.dqg * key_weight.float()).to(query.dtype), (self.dqg * query.float()).to(key_weight.dtype)
 

@@ -1,0 +1,127 @@
+"""What the fused path's kernels compile to for the H200 (sm_90), without a GPU: registers a thread, stack
+bytes, shared memory a program, and the layout conversions left inside the main loop (each one a trip
+through shared memory, with a barrier when it crosses warps), read from the TTGIR. Register counts decide
+how many programs fit on an SM, so they are the first thing to look at before a device call.
+
+The device machine runs triton 3.6.0, whose counts differ from newer versions'; install that version
+beside this machine's and put it first on the path:
+
+    python3 -m pip install --no-deps --target /tmp/t36 triton==3.6.0
+    PYTHONPATH=/tmp/t36:$PWD python3 benchmarks/kernel_resources.py --widths 512,1024,1280
+
+Rows: kernel, width d, launch configuration (the launch tables' entry for that width first), warps,
+registers, stack, shared memory, conversions in the loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from mhar_ablate.bench import markdown_table
+from mhar_ablate.kernels import column, history
+from mhar_ablate.kernels.launch import head_meta
+
+TARGET = GPUTarget("cuda", 90, 32)
+POINTERS = {  # argument: element type; the rest of the arguments are i32 or constexpr
+    "x_ptr": "bf16", "rms_ptr": "fp32", "g_ptr": "bf16", "lse_ptr": "fp32", "delta_ptr": "fp32", "qg_ptr": "fp32",
+    "dx_ptr": "bf16", "dzr_ptr": "fp32", "src_ptr": "bf16", "out0_ptr": "bf16", "rest_ptr": "bf16", "part_ptr": "fp32",
+}
+ALIGNED = set(POINTERS) | {"stride_s"}  # 16-divisible, as the JIT sees them on a launch
+
+
+def compile_for_sm90(fn, meta: dict, warps: int, stages: int | None = None):
+    names = fn.arg_names
+    constexprs = {k: v for k, v in meta.items() if k in names}
+    signature = {n: "constexpr" if n in constexprs else f"*{POINTERS[n]}" if n in POINTERS else "i32" for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in ALIGNED}
+    options = {"num_warps": warps, **({"num_stages": stages} if stages else {})}
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), target=TARGET,
+                          options=options)
+
+
+def registers(compiled) -> tuple[int, int]:
+    """Registers a thread and stack bytes, from ``cuobjdump -res-usage`` (the one in triton's package)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return int(m.group(1)), int(m.group(2))
+
+
+def loop_conversions(ttgir: str) -> int:
+    """``convert_layout`` ops after the first loop's start (the main loop; the epilogue's count too)."""
+    lines = ttgir.splitlines()
+    start = next((i for i, line in enumerate(lines) if "scf.for" in line), len(lines))
+    return sum("convert_layout" in line for line in lines[start:])
+
+
+def row(kernel: str, d: int, config, warps: int, compiled) -> dict:
+    regs, stack = registers(compiled)
+    return {"kernel": kernel, "d": d, "config": str(config), "warps": warps, "registers": regs, "stack": stack,
+            "shared bytes": compiled.metadata.shared, "conversions in loop": loop_conversions(compiled.asm["ttgir"])}
+
+
+def column_rows(d: int, heads: int, configs: list[tuple]) -> list[dict]:
+    out = []
+    table = column.column_config(d)
+    for block_n, warps, stages in [table] + [c for c in configs if c != table]:
+        meta = head_meta(d, heads, has_b=True)
+        if stages:
+            fn, meta = column._column_bwd_kernel, {**meta, "BLOCK_N": block_n, "STAGES": stages}
+        else:
+            fn, meta = column._column_bwd_prefetch_kernel, {**meta, "PAIR": block_n == 2}
+        out.append(row(fn.fn.__name__, d, (block_n, warps, stages), warps, compile_for_sm90(fn, meta, warps)))
+    return out
+
+
+def history_rows(d: int, heads: int, block_g: int) -> list[dict]:
+    meta = head_meta(d, heads, has_b=True)
+    block_n, warps, stages = history.HISTORY_CONFIG["fwd_split" if meta["HAS_B"] else "fwd"][block_g]
+    meta.update(BLOCK_G=block_g, BLOCK_N=block_n, STAGES=stages)
+    fn = history._history_fwd_kernel
+    return [row(fn.fn.__name__, d, (block_n, warps, stages), warps, compile_for_sm90(fn, meta, warps))]
+
+
+def query_rows(d: int, heads: int) -> list[dict]:
+    block_s, block_k, warps, stages = column.QUERY_GRAD_CONFIG
+    block_c = column._channel_block(d // heads)
+    meta = {"D": d, "DH": d // heads, "BLOCK_S": block_s, "BLOCK_K": block_k, "BLOCK_C": block_c,
+            "USE_DOT": block_c >= 16, "SPLIT_BF16": True}
+    fn = column._dqg_kernel
+    return [row(fn.fn.__name__, d, column.QUERY_GRAD_CONFIG, warps, compile_for_sm90(fn, meta, warps, stages))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--widths", default="512,1024,1280")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--column-configs", default="1,4,0;2,4,0;1,4,3;1,2,4",
+                   help="'TOKENS,WARPS,STAGES;...' beside the table's entry (STAGES 0: the prefetching kernel)")
+    p.add_argument("--sites-per-pass", type=int, default=4)
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET"):
+        print("kernel_resources.py: unset TRITON_INTERPRET (it compiles for the GPU)", file=sys.stderr)
+        return 2
+    configs = [tuple(int(v) for v in c.split(",")) for c in args.column_configs.split(";") if c.strip()]
+    block_g = triton.next_power_of_2(args.sites_per_pass)
+    rows = []
+    for d in (int(w) for w in args.widths.split(",")):
+        rows += column_rows(d, args.heads, configs) + history_rows(d, args.heads, block_g) + query_rows(d, args.heads)
+    print(f"triton {triton.__version__}, sm_90, H = {args.heads}")
+    print(markdown_table(list(rows[0]), [[str(v) for v in r.values()] for r in rows]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
