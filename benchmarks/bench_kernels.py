@@ -12,7 +12,7 @@ them, for example those of a commit REV:
 (carry ``.gpu-prev`` to the device machine).
 
     PYTHONPATH=$PWD python3 benchmarks/bench_kernels.py --presets paper350m,paper1b --out $OUT \\
-        --column-configs '1,4,2;1,4,4' --history-configs '4:1,1,6;4:2,1,4'
+        --column-configs '1,4,2;1,4,4' --history-configs '4:1,1,6,2;4:2,1,4,4'
 
 Bytes per call (e = bytes of an element of the buffer, U = N·d·e one source):
 - write_slot: read the source and write the slot, 2 U, and the RMS (N fp32).
@@ -208,7 +208,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda", help="cuda; cpu runs the script's logic through the interpreter "
                    "(tiny preset) to check it, timing nothing that matters")
     p.add_argument("--column-configs", default="", help="'TOKENS,WARPS,STAGES;...' for the column kernel")
-    p.add_argument("--history-configs", default="", help="'G:TOKENS,WARPS,STAGES;...' for the head-tiled forward")
+    p.add_argument("--history-configs", default="", help="'G:TOKENS,WARPS,STAGES,SOURCES;...' for the head-tiled forward")
     p.add_argument("--query-configs", default="", help="'SITES,TOKENS,WARPS,STAGES;...' for query_grad")
     p.add_argument("--profile", action="store_true", help="no timing: run one call of the column, the head-tiled "
                    "forward and query_grad per version, inside an NVTX range 'profile' (for ncu --nvtx-include)")

@@ -157,7 +157,7 @@ def main() -> int:
     p.add_argument("--groupings", default="full,block:4")
     p.add_argument("--sites-per-pass", default="1,2,4,8")
     p.add_argument("--configs", default="", help="extra rows with launch configs of the head-tiled forward and the "
-                   "column backward: 'GROUPING:SITES:fwd=TOKENS,WARPS,STAGES:col=TOKENS,WARPS,STAGES;...' (block:4 as block4; "
+                   "column backward: 'GROUPING:SITES:fwd=TOKENS,WARPS,STAGES,SOURCES:col=TOKENS,WARPS,STAGES;...' (block:4 as block4; "
                    "the forward's table for whole heads or split ones, by --d and --heads)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_stack_out"))
     p.add_argument("--budget", type=float, default=400.0, help="seconds; stop starting rows after this")
@@ -177,7 +177,7 @@ def main() -> int:
         for spp in (int(x) for x in args.sites_per_pass.split(",")):
             variants.append((grouping, spp, None))
     for spec in filter(None, args.configs.split(";")):
-        # "full:4:fwd=1,1,4:col=1,4,0"
+        # "full:4:fwd=1,1,4,4:col=1,4,0"
         parts = spec.split(":")
         grouping = parts[0] if parts[0] != "block4" else "block:4"
         spp = int(parts[1])

@@ -3,7 +3,7 @@
 # path's configurations checked against the reference, then timed from CUDA graphs), then training steps
 # of whole models (mhar-ablate bench model) with and without CUDA-graph replay. Logs and JSON under $OUT.
 #
-#   OUT=$OUT STACK_CONFIGS='full:4:fwd=1,1,3:bwd=1,2,2' PRESETS=paper350m bash benchmarks/gpu_model_speed.sh
+#   OUT=$OUT STACK_CONFIGS='full:4:fwd=1,1,4,2:col=1,4,0' PRESETS=paper350m bash benchmarks/gpu_model_speed.sh
 #
 # CHECK=0 skips the check, STACK=0 the stack sweep, MODEL=0 the models. VARIANTS and SPP select bench model's rows.
 set -uo pipefail

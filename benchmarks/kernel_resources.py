@@ -1,7 +1,9 @@
 """What the fused path's kernels compile to for the H200 (sm_90), without a GPU: registers a thread, stack
-bytes, shared memory a program, and the layout conversions left inside the main loop (each one a trip
-through shared memory, with a barrier when it crosses warps), read from the TTGIR. Register counts decide
-how many programs fit on an SM, so they are the first thing to look at before a device call.
+bytes, shared memory a program, the layout conversions left inside the main loop (each one a trip
+through shared memory, with a barrier when it crosses warps), read from the TTGIR, and the machine
+instructions (SASS) of the main loop. Register counts decide how many programs fit on an SM, and for a
+loop bound by the instructions it issues (the head-tiled forward) the loop's instructions per byte it
+reads predict its speed, so these are the first things to look at before a device call.
 
 The device machine runs triton 3.6.0, whose counts differ from newer versions'; install that version
 beside this machine's and put it first on the path:
@@ -10,7 +12,9 @@ beside this machine's and put it first on the path:
     PYTHONPATH=/tmp/t36:$PWD python3 benchmarks/kernel_resources.py --widths 512,1024,1280
 
 Rows: kernel, width d, launch configuration (the launch tables' entry for that width first), warps,
-registers, stack, shared memory, conversions in the loop.
+registers, stack, shared memory, conversions in the loop, SASS instructions of the loop (the longest one
+closed by a backward branch) and those per byte of the rows one iteration of a warp reads. ``--portable``
+compiles the forms the interpreter runs instead of the inline PTX (``kernels/ptx.py``).
 """
 
 from __future__ import annotations
@@ -59,6 +63,23 @@ def registers(compiled) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+def sass_loop(compiled) -> int:
+    """Instructions of the longest loop in the kernel's SASS (``cuobjdump -sass``): from a backward
+    branch's target to the branch."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    addresses = [int(m.group(1), 16) for m in re.finditer(r"^\s+/\*([0-9a-f]{4,})\*/", out, re.M)]
+    longest = 0
+    for m in re.finditer(r"^\s+/\*([0-9a-f]{4,})\*/[^\n]*?BRA[^\n]*?(0x[0-9a-f]+)", out, re.M):
+        at, target = int(m.group(1), 16), int(m.group(2), 16)
+        if target < at:
+            longest = max(longest, sum(target <= a <= at for a in addresses))
+    return longest
+
+
 def loop_conversions(ttgir: str) -> int:
     """``convert_layout`` ops after the first loop's start (the main loop; the epilogue's count too)."""
     lines = ttgir.splitlines()
@@ -66,31 +87,42 @@ def loop_conversions(ttgir: str) -> int:
     return sum("convert_layout" in line for line in lines[start:])
 
 
-def row(kernel: str, d: int, config, warps: int, compiled) -> dict:
+def row(kernel: str, d: int, config, warps: int, compiled, loop_bytes: float) -> dict:
+    """``loop_bytes``: bytes of rows that one iteration of the main loop reads, for the whole program."""
     regs, stack = registers(compiled)
+    loop = sass_loop(compiled)
     return {"kernel": kernel, "d": d, "config": str(config), "warps": warps, "registers": regs, "stack": stack,
-            "shared bytes": compiled.metadata.shared, "conversions in loop": loop_conversions(compiled.asm["ttgir"])}
+            "shared bytes": compiled.metadata.shared, "conversions in loop": loop_conversions(compiled.asm["ttgir"]),
+            "loop instructions": loop, "per byte a warp": round(loop * warps / loop_bytes, 3)}
 
 
-def column_rows(d: int, heads: int, configs: list[tuple]) -> list[dict]:
+def column_rows(d: int, heads: int, configs: list[tuple], use_ptx: bool) -> list[dict]:
     out = []
     table = column.column_config(d)
     for block_n, warps, stages in [table] + [c for c in configs if c != table]:
-        meta = head_meta(d, heads, has_b=True)
+        meta = {**head_meta(d, heads, has_b=True), "PTX": use_ptx}
         if stages:
             fn, meta = column._column_bwd_kernel, {**meta, "BLOCK_N": block_n, "STAGES": stages}
         else:
             fn, meta = column._column_bwd_prefetch_kernel, {**meta, "PAIR": block_n == 2}
-        out.append(row(fn.fn.__name__, d, (block_n, warps, stages), warps, compile_for_sm90(fn, meta, warps)))
+        # per site: the tokens' output-gradient rows (bf16) and the site's query row (fp32)
+        loop_bytes = block_n * d * 2 + d * 4
+        out.append(row(fn.fn.__name__, d, (block_n, warps, stages), warps, compile_for_sm90(fn, meta, warps),
+                       loop_bytes))
     return out
 
 
-def history_rows(d: int, heads: int, block_g: int) -> list[dict]:
-    meta = head_meta(d, heads, has_b=True)
-    block_n, warps, stages = history.HISTORY_CONFIG["fwd_split" if meta["HAS_B"] else "fwd"][block_g]
-    meta.update(BLOCK_G=block_g, BLOCK_N=block_n, STAGES=stages)
-    fn = history._history_fwd_kernel
-    return [row(fn.fn.__name__, d, (block_n, warps, stages), warps, compile_for_sm90(fn, meta, warps))]
+def history_rows(d: int, heads: int, block_g: int, configs: list[tuple], use_ptx: bool) -> list[dict]:
+    out = []
+    table = history.HISTORY_CONFIG["fwd_split" if (d // heads) & (d // heads - 1) else "fwd"][block_g]
+    for config in [table] + [c for c in configs if c != table]:
+        block_n, warps, stages, sources = config
+        meta = {**head_meta(d, heads, has_b=True), "BLOCK_G": block_g, "BLOCK_N": block_n, "STAGES": stages,
+                "SOURCES": sources, "PTX": use_ptx}
+        fn = history._history_fwd_kernel
+        loop_bytes = sources * block_n * (d // heads) * 2  # an iteration's sources, one head of bf16 rows
+        out.append(row(fn.fn.__name__, d, config, warps, compile_for_sm90(fn, meta, warps), loop_bytes))
+    return out
 
 
 def query_rows(d: int, heads: int) -> list[dict]:
@@ -99,7 +131,9 @@ def query_rows(d: int, heads: int) -> list[dict]:
     meta = {"D": d, "DH": d // heads, "BLOCK_S": block_s, "BLOCK_K": block_k, "BLOCK_C": block_c,
             "USE_DOT": block_c >= 16, "SPLIT_BF16": True}
     fn = column._dqg_kernel
-    return [row(fn.fn.__name__, d, column.QUERY_GRAD_CONFIG, warps, compile_for_sm90(fn, meta, warps, stages))]
+    loop_bytes = block_s * block_k * 4 + block_k * block_c * 2  # a block of dz*r (fp32) and of the slot (bf16)
+    return [row(fn.fn.__name__, d, column.QUERY_GRAD_CONFIG, warps, compile_for_sm90(fn, meta, warps, stages),
+                loop_bytes)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,17 +142,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--column-configs", default="1,4,0;2,4,0;1,4,3;1,2,4",
                    help="'TOKENS,WARPS,STAGES;...' beside the table's entry (STAGES 0: the prefetching kernel)")
+    p.add_argument("--history-configs", default="",
+                   help="'TOKENS,WARPS,STAGES,SOURCES;...' for the head-tiled forward, beside the table's entry")
     p.add_argument("--sites-per-pass", type=int, default=4)
+    p.add_argument("--portable", action="store_true", help="the interpreter's forms instead of the inline PTX")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         print("kernel_resources.py: unset TRITON_INTERPRET (it compiles for the GPU)", file=sys.stderr)
         return 2
     configs = [tuple(int(v) for v in c.split(",")) for c in args.column_configs.split(";") if c.strip()]
+    fwd_configs = [tuple(int(v) for v in c.split(",")) for c in args.history_configs.split(";") if c.strip()]
     block_g = triton.next_power_of_2(args.sites_per_pass)
     rows = []
     for d in (int(w) for w in args.widths.split(",")):
-        rows += column_rows(d, args.heads, configs) + history_rows(d, args.heads, block_g) + query_rows(d, args.heads)
-    print(f"triton {triton.__version__}, sm_90, H = {args.heads}")
+        rows += (column_rows(d, args.heads, configs, not args.portable)
+                 + history_rows(d, args.heads, block_g, fwd_configs, not args.portable) + query_rows(d, args.heads))
+    print(f"triton {triton.__version__}, sm_90, H = {args.heads}{', portable forms' if args.portable else ''}")
     print(markdown_table(list(rows[0]), [[str(v) for v in r.values()] for r in rows]))
     return 0
 

@@ -157,6 +157,26 @@ def test_buffers_are_freed_after_backward():
     assert ref() is None
 
 
+def test_buffers_are_freed_when_backward_ends_while_the_loss_lives():
+    """A training loop keeps its loss tensor until the next step, and with it the autograd nodes that hold
+    the pass's state: the buffers themselves are dropped when the backward ends, so that one pass's do not
+    overlap the next's. A second backward through the same graph then says why it cannot run."""
+    import weakref
+
+    _, fused = _pair("mhar", "full", 4, 32, 3)
+    states = []
+    start = fused.residual.start
+    fused.residual.start = lambda x0: states.append(start(x0)) or states[-1]
+    loss = fused(torch.randint(0, VOCAB, (1, 4))).sum()
+    state = states.pop()
+    buffers = [weakref.ref(t) for t in (state.buffer, state.rms, state.lse)]
+    del state
+    loss.backward(retain_graph=True)
+    assert all(ref() is None for ref in buffers)
+    with pytest.raises(RuntimeError, match=r"second backward \(retain_graph=True\) needs residual.backend=reference"):
+        loss.backward()
+
+
 def test_wide_heads_share_passes_two_sites_at_most():
     """A head wider than the head-tiled pass takes (AttnRes at d > 256) would not fit its registers: such
     models route at most two sites a pass, whatever sites_per_pass asks."""

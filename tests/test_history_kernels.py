@@ -42,9 +42,11 @@ def _rms(src):
     (1, 5, 32, 8, 2),  # one source, head width 4
     (4, 6, 64, 2, 4),
 ])
-@pytest.mark.parametrize("block_n,prefetch", [(1, 1), (2, 2), (4, 3)])
-def test_shared_pass_matches_the_reference(monkeypatch, S, N, d, H, G, block_n, prefetch):
-    monkeypatch.setattr(history, "_INTERPRETER_CONFIG", (block_n, 1, prefetch))
+@pytest.mark.parametrize("block_n,stages,sources", [(1, 1, 2), (2, 2, 4), (4, 3, 2)])
+def test_shared_pass_matches_the_reference(monkeypatch, S, N, d, H, G, block_n, stages, sources):
+    """Against the reference for token tiles that leave the last one part-filled and source counts that
+    leave an iteration's last sources missing (2 or 4 sources an iteration)."""
+    monkeypatch.setattr(history, "_INTERPRETER_CONFIG", (block_n, 1, stages, sources))
     src, qg, _ = _inputs(S, N, d, G, seed=S * 100 + N)
     refs = [_route(src.double(), qg[k].double(), H) for k in range(G)]
     out0 = torch.full((N, d), float("nan"))

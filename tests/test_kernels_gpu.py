@@ -210,9 +210,13 @@ HISTORY_SHAPES = [  # S, N, d, H, G
 
 @dtypes
 @pytest.mark.parametrize("S,N,d,H,G", HISTORY_SHAPES, ids=lambda v: str(v))
-def test_history_forward_matches_float64(dtype, S, N, d, H, G):
+@pytest.mark.parametrize("sources", [2, 4], ids=lambda v: f"{v}-sources")
+def test_history_forward_matches_float64(dtype, S, N, d, H, G, sources, monkeypatch):
+    """Both forms of the loop (2 or 4 sources an iteration), whatever the launch table picks."""
     from mhar_ablate.kernels import history
 
+    table = {kind: {g: (*cfg[:3], sources) for g, cfg in by_g.items()} for kind, by_g in history.HISTORY_CONFIG.items()}
+    monkeypatch.setattr(history, "HISTORY_CONFIG", table)
     src, qg, _ = site_inputs(S, N, d, G, dtype, seed=S * 100 + N)
     truth = [oracle_site(src, qg[k], H) for k in range(G)]
     out0, rest, lse = nan_like((N, d), dtype), nan_like((G - 1, N, d), dtype), nan_like((G, N, H), torch.float32)
@@ -221,6 +225,39 @@ def test_history_forward_matches_float64(dtype, S, N, d, H, G):
     for k, (out_k, lse_k) in enumerate(truth):
         assert rel_err(outs[k], out_k) <= TOL[dtype], f"site {k}: {rel_err(outs[k], out_k):.2e}"
         assert rel_err(lse[k], lse_k) <= LSE_TOL, f"site {k} lse: {rel_err(lse[k], lse_k):.2e}"
+
+
+def test_ptx_forms_match_the_portable_ones():
+    """kernels/ptx.py's inline PTX against what the interpreter runs: exp with flush-to-zero (exact zeros
+    for -inf and below 2^-126, else within ex2.approx's error), and a masked fp32 store from a reduction's
+    layout (every element written once where the mask holds, none elsewhere)."""
+    import triton
+    import triton.language as tl
+
+    from mhar_ablate.kernels import ptx
+
+    @triton.jit
+    def kernel(x_ptr, exp_ptr, rows_ptr, N, C: tl.constexpr, PTX: tl.constexpr):
+        n = tl.arange(0, 16)
+        c = tl.arange(0, C)
+        x = tl.load(x_ptr + n[:, None] * C + c[None, :], mask=(n < N)[:, None], other=0.0)
+        tl.store(exp_ptr + n[:, None] * C + c[None, :], ptx.exp(x, PTX), mask=(n < N)[:, None])
+        ptx.store_f32(rows_ptr + n[:, None], tl.sum(x, axis=1)[:, None], (n < N)[:, None], PTX)
+
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(16, 64, generator=gen, device=DEVICE) * 30
+    x[0, :4] = torch.tensor([float("-inf"), -200.0, -87.0, 0.0])
+    results = {}
+    for form in (True, False):
+        e, rows = torch.full_like(x, float("nan")), torch.full((16,), float("nan"), device=DEVICE)
+        kernel[(1,)](x, e, rows, 13, C=64, PTX=form, num_warps=4)
+        results[form] = (e, rows)
+    (e, rows), (e_ref, rows_ref) = results[True], results[False]
+    assert e[0, 0] == 0 and e[0, 1] == 0 and e[0, 3] == 1
+    torch.testing.assert_close(e[:13], e_ref[:13], rtol=2e-6, atol=1.2e-38)
+    assert torch.isnan(e[13:]).all()
+    torch.testing.assert_close(rows[:13], x[:13].sum(1), rtol=1e-5, atol=1e-4)
+    assert torch.isnan(rows[13:]).all() and torch.equal(rows[:13], rows_ref[:13])
 
 
 SITES_SHAPES = [  # S history, S extra, N, d, H, G

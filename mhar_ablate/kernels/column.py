@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import ptx
 from .launch import head_meta, launch
 
 __all__ = ["column_backward", "slot_grad", "query_grads", "dzr_rows"]
@@ -66,7 +67,7 @@ def _token_rows(ptr, n, N, offs_a, offs_b, b_ok, HAS_B: tl.constexpr, on=None):
 
 
 @triton.jit
-def _column_site(xa, xb, ga, gb, qa, qb, r, lse, delta, dxa, dxb, dr, HAS_B: tl.constexpr):
+def _column_site(xa, xb, ga, gb, qa, qb, r, lse, delta, dxa, dxb, dr, HAS_B: tl.constexpr, PTX: tl.constexpr):
     """One site's share of a slot's gradient for a tile of tokens [T, H, .] (the rest block ``*b`` used
     only with HAS_B): returns dz * r [T, H] and the updated accumulators."""
     u = tl.sum(xa * qa, axis=2)  # [T, H]
@@ -74,7 +75,7 @@ def _column_site(xa, xb, ga, gb, qa, qb, r, lse, delta, dxa, dxb, dr, HAS_B: tl.
     if HAS_B:
         u += tl.sum(xb * qb, axis=2)
         da += tl.sum(gb * xb, axis=2)
-    a = tl.exp(u * r - lse)
+    a = ptx.exp(u * r - lse, PTX)
     dz = a * (da - delta)
     rdz = dz * r
     dr += dz * u
@@ -89,7 +90,7 @@ def _column_bwd_kernel(
     x_ptr, rms_ptr, g_ptr, lse_ptr, delta_ptr, qg_ptr, dx_ptr, dzr_ptr,
     N, S,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
-    BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PTX: tl.constexpr,
 ):
     # A program holds BLOCK_N tokens' rows, [BLOCK_N, H, .]; a site's query row [1, H, .] broadcasts over
     # them. Per site the program reads one output-gradient row from memory and the site's query row from
@@ -126,8 +127,8 @@ def _column_bwd_kernel(
         # padded tokens: lse = +inf, weight 0
         lse = tl.load(lse_ptr + site * N * H + stat, mask=stat_ok, other=float("inf"))
         delta = tl.load(delta_ptr + site * N * H + stat, mask=stat_ok, other=0.0)
-        rdz, dxa, dxb, dr = _column_site(xa, xb, ga, gb, qa, qb, r, lse, delta, dxa, dxb, dr, HAS_B)
-        tl.store(dzr + site * N, rdz, mask=stat_ok)
+        rdz, dxa, dxb, dr = _column_site(xa, xb, ga, gb, qa, qb, r, lse, delta, dxa, dxb, dr, HAS_B, PTX)
+        ptx.store_f32(dzr + site * N, rdz, stat_ok, PTX)
     w = (tl.sum(dr, axis=1)[:, None] * (r * r * r / D))[:, :, None]  # [BLOCK_N, 1, 1]
     tl.store(dx_ptr + offs_a, (dxa - w * xa).to(dx_ptr.dtype.element_ty), mask=row_ok)
     if HAS_B:
@@ -139,7 +140,7 @@ def _column_bwd_prefetch_kernel(
     x_ptr, rms_ptr, g_ptr, lse_ptr, delta_ptr, qg_ptr, dx_ptr, dzr_ptr,
     N, S,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
-    BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, PAIR: tl.constexpr,
+    BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, PAIR: tl.constexpr, PTX: tl.constexpr,
 ):
     # One token (two with PAIR) per program, its row in registers [1, H, .], streaming over the S sites:
     # per site one output-gradient row from memory and the site's query row from cache, both loaded one
@@ -202,12 +203,13 @@ def _column_bwd_prefetch_kernel(
             next1a, next1b = _token_rows(g + N * D, n1, N, offs1_a, offs1_b, b_ok, HAS_B, more)
             next_lse1 = tl.load(lse_ptr + stat1 + N * H, mask=n1[:, None] < more * N, other=float("inf"))
             next_delta1 = tl.load(delta_ptr + stat1 + N * H, mask=n1[:, None] < more * N, other=0.0)
-        rdz0, dx0a, dx0b, dr0 = _column_site(x0a, x0b, g0a, g0b, qa, qb, r0, lse0, delta0, dx0a, dx0b, dr0, HAS_B)
-        tl.store(dzr + s * N, rdz0, mask=n0[:, None] < N)
+        rdz0, dx0a, dx0b, dr0 = _column_site(x0a, x0b, g0a, g0b, qa, qb, r0, lse0, delta0, dx0a, dx0b, dr0, HAS_B,
+                                             PTX)
+        ptx.store_f32(dzr + s * N, rdz0, n0[:, None] < N, PTX)
         if PAIR:
             rdz1, dx1a, dx1b, dr1 = _column_site(x1a, x1b, g1a, g1b, qa, qb, r1, lse1, delta1, dx1a, dx1b, dr1,
-                                                 HAS_B)
-            tl.store(dzr + s * N + 1, rdz1, mask=n1[:, None] < N)
+                                                 HAS_B, PTX)
+            ptx.store_f32(dzr + s * N + 1, rdz1, n1[:, None] < N, PTX)
         g += N * D
         stat0 += N * H
         if PAIR:
@@ -265,13 +267,14 @@ def _dqg_kernel(
     tl.store(out, acc, mask=s_ok[:, None])
 
 
-# Launch configuration of the column kernel by model width: tokens per program (1 or 2), warps, pipeline
-# stages (0: the kernel that loads one site ahead into registers; else the shared-memory pipeline over
-# STAGES sites). Measured on the H200 (benchmarks/bench_kernels.py, a step's calls; docs/benchmarks.md):
-# d = 512 2.26 ms (4 warps 3.0), d = 1024 7.9 ms (pipelined 11.2), d = 1280 27.6-28.4 ms (registers, 4
-# warps: 32.0). Other widths take the nearest. COLUMN_CONFIG, when set (benchmarks, tests), overrides the table;
-# so does COLUMN_MAXNREG (0: no register cap).
-COLUMN_CONFIGS = {512: (1, 2, 0), 1024: (1, 4, 0), 1280: (1, 2, 4)}
+# Launch configuration of the column kernel by model width: tokens per program, warps, pipeline stages (0:
+# the kernel that loads one site ahead into registers, one or two tokens; else the shared-memory pipeline
+# over STAGES sites, for a tile of tokens that share each query row). Measured on the H200
+# (benchmarks/bench_kernels.py, a step's calls; docs/benchmarks.md): d = 512 2.24 ms (pipelined 2.47 at
+# best), d = 1024 7.84 ms (pipelined 9.4 at best), d = 1280 17.9 ms with two tokens, 3 stages (one token
+# 27.5, registers 30.3). Other widths take the nearest. COLUMN_CONFIG, when set (benchmarks, tests),
+# overrides the table; so does COLUMN_MAXNREG (0: no register cap).
+COLUMN_CONFIGS = {512: (1, 2, 0), 1024: (1, 4, 0), 1280: (2, 2, 3)}
 COLUMN_CONFIG: tuple[int, int, int] | None = None
 COLUMN_MAXNREG = 0
 # The query gradients' product: sites and tokens per block, warps, stages. Measured on the H200 (one launch
@@ -317,7 +320,7 @@ def slot_grad(x: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta: Tens
     if dzr is None:
         dzr = torch.empty((num_heads, S, N), dtype=torch.float32, device=x.device)
     block_n, warps, stages = column_config(d)
-    meta = {**head_meta(d, num_heads, has_b=True), "BLOCK_N": block_n}
+    meta = {**head_meta(d, num_heads, has_b=True), "BLOCK_N": block_n, "PTX": ptx.use_ptx(x.device)}
     if x.device.type != "cpu":
         meta["num_warps"] = warps
     if x.device.type != "cpu" and COLUMN_MAXNREG:

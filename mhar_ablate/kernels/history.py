@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import ptx
 from .launch import head_meta, launch, persistent_programs, tile_width
 
 __all__ = ["write_slot", "sites_forward", "sites_backward", "history_forward"]
@@ -268,17 +269,35 @@ def _sites_bwd_kernel(
             tl.store(part + k * D + col_b, dqg_b, mask=b_ok & (k >= 0))
 
 
+@triton.jit
+def _scored_source(src, rms, ok, offs_a, offs_b, b_ok, qg_a, qg_b, HAS_B: tl.constexpr):
+    """One source for a tile of tokens: its [BLOCK_N, 1, .] blocks in fp32 and its scores z [BLOCK_N,
+    BLOCK_G] for the program's sites, -inf where ``ok`` [BLOCK_N] is false (no such source, or past the
+    last token)."""
+    xa = tl.load(src + offs_a, mask=ok[:, None, None], other=0.0).to(tl.float32)
+    z = tl.sum(xa * qg_a, axis=2)
+    xb = xa
+    if HAS_B:
+        xb = tl.load(src + offs_b, mask=ok[:, None, None] & b_ok, other=0.0).to(tl.float32)
+        z += tl.sum(xb * qg_b, axis=2)
+    r = tl.load(rms, mask=ok, other=1.0)[:, None]
+    return xa, xb, tl.where(ok[:, None], z * r, float("-inf"))
+
+
 # The head-tiled kernel. A program's tile is [BLOCK_N tokens, BLOCK_G sites, channels of one head]; a source
 # is [BLOCK_N, 1, .] and broadcasts over the sites. One head's slice of a row is small (256 bytes at d =
-# 1024, H = 8), so the loop over sources is software-pipelined (``tl.range``: source s + STAGES - 1 is
-# copied into shared memory while source s is reduced), which keeps bytes in flight without registers.
+# 1024, H = 8), so the loop is software-pipelined (``tl.range``: the sources of iteration i + STAGES - 1 are
+# copied into shared memory while those of iteration i are reduced), which keeps bytes in flight without
+# registers. Its time follows the instructions it issues more than its bytes in flight (2 to 8 stages run
+# alike; Nsight: "not selected" the largest stall), so an iteration takes SOURCES sources (2 or 4): the
+# accumulators are rescaled once for all of them, and the loop's bookkeeping is shared.
 @triton.jit(do_not_specialize=["N", "S", "G"])
 def _history_fwd_kernel(
     src_ptr, rms_ptr, qg_ptr, out0_ptr, rest_ptr, lse_ptr,
     N, S, G, stride_s,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, SOURCES: tl.constexpr, PTX: tl.constexpr,
 ):
     head = tl.program_id(1)
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -293,6 +312,7 @@ def _history_fwd_kernel(
     b_ok = jb < DB
     k_ok = k < G
     qg_a = tl.load(qg_ptr + k * D + col_a, mask=k_ok, other=0.0)  # [1, BLOCK_G, DA]
+    qg_b = qg_a
     if HAS_B:
         qg_b = tl.load(qg_ptr + k * D + col_b, mask=k_ok & b_ok, other=0.0)
     offs_a = nn * D + col_a  # [BLOCK_N, 1, DA]
@@ -301,21 +321,45 @@ def _history_fwd_kernel(
     m = tl.full([BLOCK_N, BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
     acc_a = tl.zeros([BLOCK_N, BLOCK_G, DA], tl.float32)
-    if HAS_B:
-        acc_b = tl.zeros([BLOCK_N, BLOCK_G, BLOCK_DB], tl.float32)
-    for s in tl.range(S, num_stages=STAGES):
-        src = src_ptr + tl.cast(s, tl.int64) * stride_s
-        xa = tl.load(src + offs_a, mask=row_ok, other=0.0).to(tl.float32)
-        r = tl.load(rms_ptr + tl.cast(s, tl.int64) * N + n, mask=n_ok, other=1.0)[:, None]
-        z = tl.sum(xa * qg_a, axis=2)  # [BLOCK_N, BLOCK_G]
+    acc_b = tl.zeros([BLOCK_N, BLOCK_G, BLOCK_DB], tl.float32)  # (a placeholder without HAS_B)
+    src = src_ptr
+    rms = rms_ptr + n
+    stride = tl.cast(stride_s, tl.int64)  # SOURCES * stride_s may pass 2^31
+    for s in tl.range(0, S, SOURCES, num_stages=STAGES):
+        # Source s + j exists for the tile's tokens below a limit that is 0 when it does not (a tensor
+        # mask: it works the same in the compiler and the interpreter).
+        x1a, x1b, z1 = _scored_source(src, rms, n_ok, offs_a, offs_b, b_ok, qg_a, qg_b, HAS_B)
+        x2a, x2b, z2 = _scored_source(src + stride, rms + N, n < tl.where(s + 1 < S, N, 0), offs_a, offs_b,
+                                      b_ok, qg_a, qg_b, HAS_B)
+        m_new = tl.maximum(m, tl.maximum(z1, z2))
+        if SOURCES == 4:
+            x3a, x3b, z3 = _scored_source(src + 2 * stride, rms + 2 * N, n < tl.where(s + 2 < S, N, 0), offs_a,
+                                          offs_b, b_ok, qg_a, qg_b, HAS_B)
+            x4a, x4b, z4 = _scored_source(src + 3 * stride, rms + 3 * N, n < tl.where(s + 3 < S, N, 0), offs_a,
+                                          offs_b, b_ok, qg_a, qg_b, HAS_B)
+            m_new = tl.maximum(m_new, tl.maximum(z3, z4))
+        # A padded token's scores are all -inf: its m stays -inf and exp(m - m_new) would be NaN.
+        m_new = tl.where(n_ok[:, None], m_new, 0.0)
+        alpha = ptx.exp(m - m_new, PTX)
+        p1 = ptx.exp(z1 - m_new, PTX)
+        p2 = ptx.exp(z2 - m_new, PTX)
+        l = l * alpha + p1 + p2
+        acc_a = acc_a * alpha[:, :, None] + p1[:, :, None] * x1a + p2[:, :, None] * x2a
         if HAS_B:
-            xb = tl.load(src + offs_b, mask=row_ok & b_ok, other=0.0).to(tl.float32)
-            z += tl.sum(xb * qg_b, axis=2)
-        z = z * r
-        m, l, alpha, p = _softmax_step(m, l, z)
-        acc_a = acc_a * alpha[:, :, None] + p[:, :, None] * xa
-        if HAS_B:
-            acc_b = acc_b * alpha[:, :, None] + p[:, :, None] * xb
+            acc_b = acc_b * alpha[:, :, None] + p1[:, :, None] * x1b + p2[:, :, None] * x2b
+        if SOURCES == 4:
+            p3 = ptx.exp(z3 - m_new, PTX)
+            p4 = ptx.exp(z4 - m_new, PTX)
+            l += p3 + p4
+            # one fused multiply-add a term (written as a sum of products, the compiler would not chain them)
+            acc_a = acc_a + p3[:, :, None] * x3a
+            acc_a = acc_a + p4[:, :, None] * x4a
+            if HAS_B:
+                acc_b = acc_b + p3[:, :, None] * x3b
+                acc_b = acc_b + p4[:, :, None] * x4b
+        m = m_new
+        src += SOURCES * stride
+        rms += SOURCES * N
 
     inv_l = 1.0 / l[:, :, None]
     first = row_ok & (k == 0)
@@ -350,24 +394,25 @@ def _num_warps(d: int, num_heads: int, block_g: int) -> int:
 
 
 # Launch configuration of the head-tiled kernel by the number of sites G (padded): tokens per program,
-# warps, pipeline stages over the sources; "fwd_split" where a head is split in two blocks (a width that is
-# not a power of two: with one token the rest block's loads are 2 bytes a thread). Measured on the H200 at
-# G = 4 (benchmarks/bench_kernels.py): d = 1024 one token 3.3 ms a step, two 4.0; d = 1280 one token
-# 14.5 ms, two 7.8; 2 to 8 stages alike. A benchmark may replace entries to sweep them. On the interpreter:
-# two-token tiles, so that tests cover the token mask.
-HISTORY_CONFIG: dict[str, dict[int, tuple[int, int, int]]] = {
-    "fwd": {2: (1, 1, 4), 4: (1, 1, 4), 8: (1, 1, 4), 16: (1, 2, 4)},
-    "fwd_split": {2: (2, 1, 4), 4: (2, 1, 4), 8: (2, 1, 4), 16: (2, 2, 4)},  # heads split in two blocks
+# warps, pipeline stages (iterations ahead), sources an iteration (2 or 4); "fwd_split" where a head is
+# split in two blocks (a width that is not a power of two: with one token the rest block's loads are 2
+# bytes a thread). Measured on the H200 at G = 4 (benchmarks/bench_kernels.py, a step's calls): d = 1024
+# 2.70 ms (4 sources an iteration 2.93, two tokens 3.34), d = 512 1.02 ms, d = 1280 6.91 ms (one token
+# 11.6); docs/benchmarks.md. A benchmark may replace entries to sweep them. On the interpreter: two-token tiles, so that tests cover
+# the token mask.
+HISTORY_CONFIG: dict[str, dict[int, tuple[int, int, int, int]]] = {
+    "fwd": {2: (1, 1, 3, 2), 4: (1, 1, 3, 2), 8: (1, 1, 3, 2), 16: (1, 2, 3, 2)},
+    "fwd_split": {2: (2, 1, 3, 2), 4: (2, 1, 3, 2), 8: (2, 1, 3, 2), 16: (2, 2, 3, 2)},  # heads split in two
 }
-_INTERPRETER_CONFIG = (2, 1, 2)
+_INTERPRETER_CONFIG = (2, 1, 2, 2)
 
 
 def _history_config(kind: str, block_g: int, device: torch.device) -> tuple[int, dict]:
     if device.type == "cpu":
-        block_n, _, stages = _INTERPRETER_CONFIG
-        return block_n, {"STAGES": stages}
-    block_n, warps, stages = HISTORY_CONFIG[kind].get(block_g, HISTORY_CONFIG[kind][16])
-    return block_n, {"num_warps": warps, "STAGES": stages}
+        block_n, _, stages, sources = _INTERPRETER_CONFIG
+        return block_n, {"STAGES": stages, "SOURCES": sources}
+    block_n, warps, stages, sources = HISTORY_CONFIG[kind].get(block_g, HISTORY_CONFIG[kind][16])
+    return block_n, {"num_warps": warps, "STAGES": stages, "SOURCES": sources}
 
 
 def write_slot(source: Tensor, slot: Tensor, rms: Tensor, eps: float) -> None:
@@ -409,7 +454,7 @@ def history_forward(sources: Tensor, rms: Tensor, qg: Tensor, num_heads: int, ou
     block_g = _block_g(G)
     meta = head_meta(d, num_heads, has_b=True)
     block_n, options = _history_config("fwd_split" if meta["HAS_B"] else "fwd", block_g, sources.device)
-    meta.update(BLOCK_G=block_g, BLOCK_N=block_n, **options)
+    meta.update(BLOCK_G=block_g, BLOCK_N=block_n, PTX=ptx.use_ptx(sources.device), **options)
     launch(_history_fwd_kernel, (triton.cdiv(N, block_n), num_heads),
            (sources, rms, qg, out, rest, lse, N, S, G, N * d), meta, sources.device)
 

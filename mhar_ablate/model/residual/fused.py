@@ -136,6 +136,7 @@ class FusedState:
         self.partial: Tensor | None = None  # block grouping: the unfinished block's running sum
         self.in_block = 0
         self.done = 0  # finished blocks (block grouping)
+        self.released = False
         self.token = _WriteSlot.apply(x0, None, residual.query, residual.key_weight, self, 0)
 
     # -------------------------------------------------------------------------------- forward
@@ -165,6 +166,21 @@ class FusedState:
             self.done += 1
             self.token = _WriteSlot.apply(self.partial, self.token, None, None, self, self.done)
             self.partial, self.in_block = None, 0
+
+    def release(self) -> None:
+        """Drop the pass's buffers once its backward is complete (slot 0's, the last to run). The state
+        can outlive its step: the autograd nodes hold it for as long as the loss tensor lives, and the state
+        of the step that compiled the model stays in a reference cycle until Python's cyclic collector runs
+        (seen on the CPU). Its buffers (the sources, the sites' output gradients, dz * r: about 2 GB at
+        ``paper350m``) would then still be allocated during the next steps."""
+        self.buffer = self.rms = self.grad_out = self.delta = self.dzr = self.dqg = self.lse = self.qg = None
+        self.released = True
+
+    def _refuse_released(self) -> None:
+        if self.released:
+            raise RuntimeError("the fused MHAR path's backward already ran for this forward pass, and its "
+                               "buffers are freed: a second backward (retain_graph=True) needs "
+                               "residual.backend=reference")
 
     def write_slot(self, slot: int, source: Tensor) -> None:
         from ...kernels.history import write_slot
@@ -249,6 +265,7 @@ class FusedState:
         block partial sum the site read, if any."""
         from ...kernels.history import sites_backward
 
+        self._refuse_released()
         self._backward_buffers()
         N, d, H, eps = self.N, self.d, self.res.num_heads, self.res.eps
         g = grad_out.to(self.dtype).reshape(1, N, d).contiguous()
@@ -267,6 +284,7 @@ class FusedState:
         """The slot's gradient (N, d), from every site that reads it: sites [first, n_sites)."""
         from ...kernels.column import slot_grad
 
+        self._refuse_released()
         if self.grad_out is None:  # no site's output reached the loss
             return torch.zeros((self.N, self.d), dtype=self.dtype, device=self.buffer.device)
         first = slot * self.res.block_sublayers
@@ -327,6 +345,7 @@ class _WriteSlot(torch.autograd.Function):
             grad_q = grad_k = None
             if ctx.first:
                 grad_q, grad_k = ctx.state.parameter_grads(*ctx.saved_tensors)
+                ctx.state.release()
         # The token carries no value, only the order; its gradient is an empty tensor.
         return grad, None if ctx.first else grad_token, grad_q, grad_k, None, None
 
