@@ -64,16 +64,19 @@ def registers(compiled) -> tuple[int, int]:
 
 
 def sass_loop(compiled) -> int:
-    """Instructions of the longest loop in the kernel's SASS (``cuobjdump -sass``): from a backward
-    branch's target to the branch."""
+    """Instructions of the longest loop in the kernel's SASS (``cuobjdump -sass``)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        out = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    addresses = [int(m.group(1), 16) for m in re.finditer(r"^\s+/\*([0-9a-f]{4,})\*/", out, re.M)]
+        return longest_loop(subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout)
+
+
+def longest_loop(sass: str) -> int:
+    """Instructions from a backward branch's target to the branch, for the longest such loop; 0 if none."""
+    addresses = [int(m.group(1), 16) for m in re.finditer(r"^\s+/\*([0-9a-f]{4,})\*/", sass, re.M)]
     longest = 0
-    for m in re.finditer(r"^\s+/\*([0-9a-f]{4,})\*/[^\n]*?BRA[^\n]*?(0x[0-9a-f]+)", out, re.M):
+    for m in re.finditer(r"^\s+/\*([0-9a-f]{4,})\*/[^\n]*?BRA[^\n]*?(0x[0-9a-f]+)", sass, re.M):
         at, target = int(m.group(1), 16), int(m.group(2), 16)
         if target < at:
             longest = max(longest, sum(target <= a <= at for a in addresses))
