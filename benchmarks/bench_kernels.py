@@ -208,7 +208,8 @@ def main() -> int:
     p.add_argument("--device", default="cuda", help="cuda; cpu runs the script's logic through the interpreter "
                    "(tiny preset) to check it, timing nothing that matters")
     p.add_argument("--column-configs", default="", help="'TOKENS,WARPS,STAGES;...' for the column kernel")
-    p.add_argument("--history-configs", default="", help="'G:TOKENS,WARPS,STAGES,SOURCES;...' for the head-tiled forward")
+    p.add_argument("--history-configs", default="",
+                   help="'G:TOKENS,WARPS,STAGES,SOURCES;...' for the head-tiled forward")
     p.add_argument("--query-configs", default="", help="'SITES,TOKENS,WARPS,STAGES;...' for query_grad")
     p.add_argument("--profile", action="store_true", help="no timing: run one call of the column, the head-tiled "
                    "forward and query_grad per version, inside an NVTX range 'profile' (for ncu --nvtx-include)")

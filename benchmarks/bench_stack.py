@@ -157,8 +157,8 @@ def main() -> int:
     p.add_argument("--groupings", default="full,block:4")
     p.add_argument("--sites-per-pass", default="1,2,4,8")
     p.add_argument("--configs", default="", help="extra rows with launch configs of the head-tiled forward and the "
-                   "column backward: 'GROUPING:SITES:fwd=TOKENS,WARPS,STAGES,SOURCES:col=TOKENS,WARPS,STAGES;...' (block:4 as block4; "
-                   "the forward's table for whole heads or split ones, by --d and --heads)")
+                   "column backward: 'GROUPING:SITES:fwd=TOKENS,WARPS,STAGES,SOURCES:col=TOKENS,WARPS,STAGES;...' "
+                   "(block:4 as block4; the forward's table for whole heads or split ones, by --d and --heads)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_stack_out"))
     p.add_argument("--budget", type=float, default=400.0, help="seconds; stop starting rows after this")
     args = p.parse_args()

@@ -52,24 +52,24 @@ def compile_for_sm90(fn, meta: dict, warps: int, stages: int | None = None):
                           options=options)
 
 
-def registers(compiled) -> tuple[int, int]:
-    """Registers a thread and stack bytes, from ``cuobjdump -res-usage`` (the one in triton's package)."""
+def cuobjdump(compiled, flag: str) -> str:
+    """``cuobjdump FLAG`` of the kernel's cubin (the cuobjdump in triton's package)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+        return subprocess.run([tool, flag, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def registers(compiled) -> tuple[int, int]:
+    """Registers a thread and stack bytes, from ``cuobjdump -res-usage``."""
+    m = re.search(r"REG:(\d+) STACK:(\d+)", cuobjdump(compiled, "-res-usage"))
     return int(m.group(1)), int(m.group(2))
 
 
 def sass_loop(compiled) -> int:
     """Instructions of the longest loop in the kernel's SASS (``cuobjdump -sass``)."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        return longest_loop(subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout)
+    return longest_loop(cuobjdump(compiled, "-sass"))
 
 
 def longest_loop(sass: str) -> int:

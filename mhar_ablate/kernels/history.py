@@ -398,8 +398,8 @@ def _num_warps(d: int, num_heads: int, block_g: int) -> int:
 # split in two blocks (a width that is not a power of two: with one token the rest block's loads are 2
 # bytes a thread). Measured on the H200 at G = 4 (benchmarks/bench_kernels.py, a step's calls): d = 1024
 # 2.70 ms (4 sources an iteration 2.93, two tokens 3.34), d = 512 1.02 ms, d = 1280 6.91 ms (one token
-# 11.6); docs/benchmarks.md. A benchmark may replace entries to sweep them. On the interpreter: two-token tiles, so that tests cover
-# the token mask.
+# 11.6); docs/benchmarks.md. A benchmark may replace entries to sweep them. On the interpreter: two-token
+# tiles, so that tests cover the token mask.
 HISTORY_CONFIG: dict[str, dict[int, tuple[int, int, int, int]]] = {
     "fwd": {2: (1, 1, 3, 2), 4: (1, 1, 3, 2), 8: (1, 1, 3, 2), 16: (1, 2, 3, 2)},
     "fwd_split": {2: (2, 1, 3, 2), 4: (2, 1, 3, 2), 8: (2, 1, 3, 2), 16: (2, 2, 3, 2)},  # heads split in two
