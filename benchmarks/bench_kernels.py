@@ -12,7 +12,7 @@ them, for example those of a commit REV:
 (carry ``.gpu-prev`` to the device machine).
 
     PYTHONPATH=$PWD python3 benchmarks/bench_kernels.py --presets paper350m,paper1b --out $OUT \\
-        --column-configs '1,4,2;1,4,4' --history-configs '4:1,1,6,2;4:2,1,4,4'
+        --column-configs '1,4,2;1,4,4' --history-configs '4:1,1,6,2;4:16,4,3,2' --row-warps '2;8'
 
 Bytes per call (e = bytes of an element of the buffer, U = N·d·e one source):
 - write_slot: read the source and write the slot, 2 U, and the RMS (N fp32).
@@ -23,8 +23,9 @@ Bytes per call (e = bytes of an element of the buffer, U = N·d·e one source):
   the log-sum-exps read and delta written.
 - column (one slot read by S sites): the slot U, the S output gradients S U, the gradient U; the sites'
   log-sum-exps and deltas read, dz·r written: 3·S·N·H·4.
-- query_grad (one product over all slots): every slot's dz·r and every slot read, the per-slot sums
-  (slots·sites·d·4) zeroed, written and summed.
+- query_grad (one product over all slots): every slot's dz·r and every slot read, and 3·slots·sites·d·4
+  for partial sums (what the per-slot sums of an earlier form moved, kept so that the figures compare
+  across rounds; the chunks' sums of the present form move 0.6 to 3.4 times that, 2-4 % of the total).
 """
 
 from __future__ import annotations
@@ -111,8 +112,8 @@ class Step:
         out = []
         if kind == "write_slot":
             for j in range(self.n_sites):
-                out.append((lambda j=j: history.write_slot(self.source[j], self.buffer[j], self.rms[j], eps),
-                            2 * U + N * 4))
+                out.append((lambda j=j: (history.write_slot(self.source[j], self.buffer[j], self.rms[j], eps),
+                                         self.buffer[j], self.rms[j])[1:], 2 * U + N * 4))
         elif kind in ("history_fwd", "sites_fwd"):
             for p in self.plans:
                 rows = slice(p.start, p.start + p.size)
@@ -143,9 +144,10 @@ class Step:
         elif kind == "sites_bwd":
             empty = self.buffer[:0]
             for s in range(self.n_sites):
-                out.append((lambda s=s: history.sites_backward(
+                out.append((lambda s=s: (history.sites_backward(
                     empty, empty, False, self.qg[s:s + 1], H, eps, self.grad_out[s:s + 1], self.lse[s:s + 1],
-                    self.delta[s:s + 1], out=self.out[s], grad_copy=self.copy[s:s + 1]), 3 * U + 2 * N * H * 4))
+                    self.delta[s:s + 1], out=self.out[s], grad_copy=self.copy[s:s + 1]), self.delta[s],
+                    self.copy[s])[1:], 3 * U + 2 * N * H * 4))
         elif kind == "column":
             for j in range(self.n_sites):
                 S = self.n_sites - j
@@ -210,7 +212,10 @@ def main() -> int:
     p.add_argument("--column-configs", default="", help="'TOKENS,WARPS,STAGES;...' for the column kernel")
     p.add_argument("--history-configs", default="",
                    help="'G:TOKENS,WARPS,STAGES,SOURCES;...' for the head-tiled forward")
-    p.add_argument("--query-configs", default="", help="'SITES,TOKENS,WARPS,STAGES;...' for query_grad")
+    p.add_argument("--query-configs", default="",
+                   help="'SITES,TOKENS,WARPS,STAGES,PER_SM;...' for query_grad")
+    p.add_argument("--write-configs", default="", help="'TOKENS,WARPS;...' for write_slot")
+    p.add_argument("--row-warps", default="", help="'W;...': warps of the row kernels (sites_fwd, sites_bwd)")
     p.add_argument("--profile", action="store_true", help="no timing: run one call of the column, the head-tiled "
                    "forward and query_grad per version, inside an NVTX range 'profile' (for ncu --nvtx-include)")
     p.add_argument("--prev", default="", help="folder holding a package prev_kernels (earlier kernels) to time too")
@@ -253,13 +258,20 @@ def main() -> int:
         if not args.profile:
             for kind in KINDS:
                 record(kind, "default", current)
-        reference = {k: outputs(step.calls(k, current)) for k in ("history_fwd", "column", "query_grad")}
+        reference = {k: outputs(step.calls(k, current))
+                     for k in ("write_slot", "history_fwd", "sites_bwd", "column", "query_grad")}
+        reference["sites_fwd"] = None  # its merges move their log-sum-exps in place: nothing fixed to compare
         # The column kernels first: the head-tiled forward rewrites the log-sum-exps that they read.
         saved = (column.COLUMN_CONFIG, column.QUERY_GRAD_CONFIG, column.COLUMN_MAXNREG,
-                 {k: dict(v) for k, v in history.HISTORY_CONFIG.items()})
+                 {k: dict(v) for k, v in history.HISTORY_CONFIG.items()}, history.WRITE_SLOT_CONFIG,
+                 history.ROW_WARPS)
         variants = [("column", "prev", prev, None)] if prev is not None else []
         variants += [("column", f"col {c}", current, ("col", c)) for c in parse_configs(args.column_configs, False)]
         variants += [("query_grad", f"qg {c}", current, ("qg", c)) for c in parse_configs(args.query_configs, False)]
+        variants += [("write_slot", f"write {c}", current, ("write", c))
+                     for c in parse_configs(args.write_configs, False)]
+        variants += [(kind, f"rows {w[0]} warps", current, ("rows", w[0]))
+                     for w in parse_configs(args.row_warps, False) for kind in ("sites_fwd", "sites_bwd")]
         if prev is not None:
             variants.append(("history_fwd", "prev", prev, None))
         variants += [("history_fwd", f"fwd G{g} {c}", current, (g, c))
@@ -273,12 +285,17 @@ def main() -> int:
                 column.COLUMN_CONFIG, column.COLUMN_MAXNREG = cfg[:3], cfg[3] if len(cfg) > 3 else 0
             elif what == "qg":
                 column.QUERY_GRAD_CONFIG = cfg
+            elif what == "write":
+                history.WRITE_SLOT_CONFIG = cfg
+            elif what == "rows":
+                history.ROW_WARPS = cfg
             else:  # the preset's head split decides which table is read
                 history.HISTORY_CONFIG["fwd"][what] = history.HISTORY_CONFIG["fwd_split"][what] = cfg
 
         def restore():
             column.COLUMN_CONFIG, column.QUERY_GRAD_CONFIG, column.COLUMN_MAXNREG = saved[:3]
             history.HISTORY_CONFIG = {k: dict(v) for k, v in saved[3].items()}
+            history.WRITE_SLOT_CONFIG, history.ROW_WARPS = saved[4:]
 
         if args.profile:
             import torch.cuda.nvtx as nvtx

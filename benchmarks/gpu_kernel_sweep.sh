@@ -9,7 +9,7 @@
 #
 # PREV: a folder with a package prev_kernels (earlier history.py, column.py, launch.py) to time beside the
 # current kernels; PROFILE='PRESET:COLUMN_CONFIGS ...' runs Nsight Compute on one call per version first;
-# TESTS=0 skips the tests.
+# WRITE='TOKENS,WARPS;...' sweeps write_slot, ROWS='W;...' the row kernels' warps; TESTS=0 skips the tests.
 set -uo pipefail
 OUT=${OUT:-gpu-kernels}
 mkdir -p "$OUT"
@@ -32,5 +32,6 @@ if [ -n "${PROFILE:-}" ]; then  # PROFILE='PRESET:COLUMN_CONFIGS PRESET:...': Ns
   done
 fi
 python3 benchmarks/bench_kernels.py --presets "${PRESETS:-paper350m}" --out "$OUT" ${PREV:+--prev "$PREV"} \
-  --column-configs "${COL:-}" --history-configs "${HIST:-}" --query-configs "${QUERY:-}" 2>&1 \
+  --column-configs "${COL:-}" --history-configs "${HIST:-}" --query-configs "${QUERY:-}" \
+  --write-configs "${WRITE:-}" --row-warps "${ROWS:-}" 2>&1 \
   | tee "$OUT/bench_kernels.log"

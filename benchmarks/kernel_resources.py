@@ -128,15 +128,19 @@ def history_rows(d: int, heads: int, block_g: int, configs: list[tuple], use_ptx
     return out
 
 
-def query_rows(d: int, heads: int) -> list[dict]:
-    block_s, block_k, warps, stages = column.QUERY_GRAD_CONFIG
-    block_c = column._channel_block(d // heads)
-    meta = {"D": d, "DH": d // heads, "BLOCK_S": block_s, "BLOCK_K": block_k, "BLOCK_C": block_c,
-            "USE_DOT": block_c >= 16, "SPLIT_BF16": True}
-    fn = column._dqg_kernel
-    loop_bytes = block_s * block_k * 4 + block_k * block_c * 2  # a block of dz*r (fp32) and of the slot (bf16)
-    return [row(fn.fn.__name__, d, column.QUERY_GRAD_CONFIG, warps, compile_for_sm90(fn, meta, warps, stages),
-                loop_bytes)]
+def query_rows(d: int, heads: int, configs: list[tuple]) -> list[dict]:
+    """The query gradients' kernel at the table's configuration and ``configs`` (SITES, TOKENS, WARPS,
+    STAGES, PROGRAMS A SM), for a block of SITES sites."""
+    out = []
+    meta = {**head_meta(d, heads, has_b=True), "BLOCKS": 1}
+    for config in [column.QUERY_GRAD_CONFIG] + [c for c in configs if c != column.QUERY_GRAD_CONFIG]:
+        block_s, block_k, warps, stages = config[:4]
+        fn_meta = {**meta, "BLOCK_S": block_s, "BLOCK_K": block_k, "USE_DOT": True, "SPLIT_BF16": True}
+        # a block of dz*r (fp32) and of the slot's head (bf16)
+        loop_bytes = block_s * block_k * 4 + block_k * (d // heads) * 2
+        out.append(row(column._dqg_kernel.fn.__name__, d, config, warps,
+                       compile_for_sm90(column._dqg_kernel, fn_meta, warps, stages), loop_bytes))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="'TOKENS,WARPS,STAGES;...' beside the table's entry (STAGES 0: the prefetching kernel)")
     p.add_argument("--history-configs", default="",
                    help="'TOKENS,WARPS,STAGES,SOURCES;...' for the head-tiled forward, beside the table's entry")
+    p.add_argument("--query-configs", default="",
+                   help="'SITES,TOKENS,WARPS,STAGES,PER_SM;...' for the query gradients, beside the table's")
     p.add_argument("--sites-per-pass", type=int, default=4)
     p.add_argument("--portable", action="store_true", help="the interpreter's forms instead of the inline PTX")
     args = p.parse_args(argv)
@@ -155,11 +161,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configs = [tuple(int(v) for v in c.split(",")) for c in args.column_configs.split(";") if c.strip()]
     fwd_configs = [tuple(int(v) for v in c.split(",")) for c in args.history_configs.split(";") if c.strip()]
+    query_configs = [tuple(int(v) for v in c.split(",")) for c in args.query_configs.split(";") if c.strip()]
     block_g = triton.next_power_of_2(args.sites_per_pass)
     rows = []
     for d in (int(w) for w in args.widths.split(",")):
         rows += (column_rows(d, args.heads, configs, not args.portable)
-                 + history_rows(d, args.heads, block_g, fwd_configs, not args.portable) + query_rows(d, args.heads))
+                 + history_rows(d, args.heads, block_g, fwd_configs, not args.portable)
+                 + query_rows(d, args.heads, query_configs))
     print(f"triton {triton.__version__}, sm_90, H = {args.heads}{', portable forms' if args.portable else ''}")
     print(markdown_table(list(rows[0]), [[str(v) for v in r.values()] for r in rows]))
     return 0

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mhar_ablate.kernels import column, history
-from mhar_ablate.kernels.reference import mhar_route_float64, routing_logsumexp_float64
+from mhar_ablate.kernels.reference import mhar_route_float64, query_grads_float64, routing_logsumexp_float64
 
 EPS = 1e-6
 
@@ -58,8 +58,26 @@ def test_shared_pass_matches_the_reference(monkeypatch, S, N, d, H, G, block_n, 
     torch.testing.assert_close(lse, torch.stack([l.t() for _, l in refs]).float(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("slots,N,d,H,n_sites,block", [
+    (4, 37, 96, 2, 4, 1),  # head width 48 = 32 + 16: matrix products over both parts
+    (4, 21, 64, 2, 14, 4),  # block:4, slot j read by sites 4 j ..
+    (3, 9, 48, 4, 3, 1),  # head width 12: the product without matrix products
+    (70, 5, 32, 1, 70, 1),  # 70 sites: two blocks of sites
+    (2, 9, 384, 1, 2, 1),  # one head of 384 channels: three blocks of 128
+])
+def test_query_grads_match_the_reference(slots, N, d, H, n_sites, block):
+    """Every slot's share of the query gradients in one launch, summed over slots and over the two token
+    chunks the interpreter splits the tokens into."""
+    gen = torch.Generator().manual_seed(slots + N)
+    sources = torch.randn(slots, N, d, generator=gen)
+    dzr = torch.randn(column.dzr_rows(slots, n_sites, block) * H * N, generator=gen)
+    got = column.query_grads(dzr, sources, H, n_sites, block)
+    torch.testing.assert_close(got, query_grads_float64(dzr, sources, H, n_sites, block).float(), rtol=1e-4,
+                               atol=1e-4)
+
+
 @pytest.mark.parametrize("S,N,d,H", [
-    (4, 7, 48, 4),  # head width 12 = 8 + 4: channel blocks of 4, the kernel's non-tensor-core path
+    (4, 7, 48, 4),  # head width 12 = 8 + 4: query gradients without matrix products (blocks under 16)
     (3, 5, 64, 2),  # head width 32: the matrix-product path for the query gradients
     (1, 3, 32, 8),  # one site, head width 4
 ])
@@ -89,10 +107,11 @@ def test_backward_by_source_matches_autograd(S, N, d, H, config, monkeypatch):
 
 
 def test_write_slot_stores_the_row_and_its_rms():
+    """Several tokens a program (40 channels padded to 64: 32 tokens), the last program part-filled."""
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(6, 40, generator=gen) * 3
-    slot = torch.full((6, 40), float("nan"))
-    rms = torch.full((6,), float("nan"))
+    x = torch.randn(37, 40, generator=gen) * 3
+    slot = torch.full((37, 40), float("nan"))
+    rms = torch.full((37,), float("nan"))
     history.write_slot(x, slot, rms, EPS)
     torch.testing.assert_close(slot, x)
     torch.testing.assert_close(rms, _rms(x))

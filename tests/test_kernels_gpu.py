@@ -205,6 +205,7 @@ HISTORY_SHAPES = [  # S, N, d, H, G
     (5, 77, 1280, 8, 4),  # head width 160 = 128 + 32
     (1, 5, 48, 4, 3),  # one source, head width 12, three sites padded to four
     (33, 19, 1024, 8, 8),
+    (6, 40, 512, 8, 2),
 ]
 
 
@@ -360,15 +361,48 @@ def test_column_backward_matches_float64(dtype, S, N, d, H, config, monkeypatch)
     assert_qg_grad(dqg, dqg64, src, grad_out, dtype)
 
 
+QUERY_SHAPES = [  # slots, N, d, H, sites, block (slot j read by sites block * j ..)
+    (6, 37, 1280, 8, 6, 1),  # head width 160 = 128 + 32
+    (5, 50, 1024, 8, 17, 4),
+    (3, 20, 48, 4, 3, 1),  # head width 12: the product without tensor cores
+    (40, 33, 512, 8, 40, 1),
+    (3, 40, 1280, 1, 3, 1),  # AttnRes: one head of 1280 channels, in blocks of 128
+    (4, 24, 1024, 1, 4, 1),
+]
+
+
 @dtypes
-def test_write_slot_stores_the_row_and_the_rms_of_what_it_stored(dtype):
+@pytest.mark.parametrize("slots,N,d,H,n_sites,block", QUERY_SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("config", [None, (16, 16, 4, 2, 4)], ids=["table", "16-site-blocks"])
+def test_query_grads_match_float64(dtype, slots, N, d, H, n_sites, block, config, monkeypatch):
+    """Every slot's share of the query gradients in one launch, against the oracle; with the table's
+    blocks and with blocks of 16 sites (several a launch) and 16 tokens split in chunks."""
+    from mhar_ablate.kernels import column
+    from mhar_ablate.kernels.reference import query_grads_float64
+
+    if config is not None:
+        monkeypatch.setattr(column, "QUERY_GRAD_CONFIG", config)
+    gen = torch.Generator(device=DEVICE).manual_seed(slots * 7 + d)
+    sources = randn(gen, slots, N, d).to(dtype)
+    dzr = randn(gen, column.dzr_rows(slots, n_sites, block) * H * N)
+    poison()
+    got = column.query_grads(dzr, sources, H, n_sites, block)
+    truth = query_grads_float64(dzr, sources, H, n_sites, block)
+    assert rel_err(got, truth) <= TOL[dtype], f"{rel_err(got, truth):.2e}"
+
+
+@dtypes
+@pytest.mark.parametrize("tokens", [None, (1, 4), (8, 4)], ids=["table", "1-token", "8-tokens"])
+def test_write_slot_stores_the_row_and_the_rms_of_what_it_stored(dtype, tokens, monkeypatch):
     from mhar_ablate.kernels import history
 
-    x = randn(torch.Generator(device=DEVICE).manual_seed(3), 37, 1280, scale=3.0)
-    slot, rms = nan_like((37, 1280), dtype), nan_like((37,), torch.float32)
-    history.write_slot(x, slot, rms, EPS)
-    assert torch.equal(slot, x.to(dtype))
-    assert rel_err(rms, rms_of(x.to(dtype))) <= 1e-6
+    monkeypatch.setattr(history, "WRITE_SLOT_CONFIG", tokens)
+    for d in (1280, 512):
+        x = randn(torch.Generator(device=DEVICE).manual_seed(3), 37, d, scale=3.0)
+        slot, rms = nan_like((37, d), dtype), nan_like((37,), torch.float32)
+        history.write_slot(x, slot, rms, EPS)
+        assert torch.equal(slot, x.to(dtype))
+        assert rel_err(rms, rms_of(x.to(dtype))) <= 1e-6
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -18,8 +18,9 @@ one transfer per pair plus two per slot (1,323 at that shape).
 * ``_dqg_kernel``: those gradients, ``dqg[s, c] = sum_n dzr[h(c), s, n] * x[n, c]``, a matrix product
   over tokens per head, on tensor cores (bf16 sources: ``dzr`` split into two bf16 parts, so the product
   keeps about 16 bits of it) or in fp32. The training path runs it once for every slot of a step
-  (``query_grads``), when the last slot's gradient is done: one launch of many programs, where one launch
-  per slot had too few to fill the GPU.
+  (``query_grads``), when the last slot's gradient is done: a program takes one head (both parts of a
+  split one, so each block of ``dzr`` is read once; a head wider than 128 + 127 channels in blocks of
+  128) and a chunk of the tokens, and sums over every slot; the chunks' sums are added at the end.
 
 Math as in ``history`` (per site s reading the slot x, with g_s its output gradient):
 ``a = exp(r u_s - lse_s)``, ``dz = a (<g_s, x>_h - delta_s)``,
@@ -34,7 +35,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import ptx
-from .launch import head_meta, launch
+from .launch import device_index, head_meta, launch, num_sms
 
 __all__ = ["column_backward", "slot_grad", "query_grads", "dzr_rows"]
 
@@ -227,44 +228,67 @@ def _column_bwd_prefetch_kernel(
             tl.store(dx_ptr + offs1_b, (dx1b - w1 * x1b).to(dx_ptr.dtype.element_ty), mask=ok1 & b_ok)
 
 
-@triton.jit(do_not_specialize=["N", "n_sites", "K"])
+@triton.jit(do_not_specialize=["N", "n_sites", "n_slots", "K", "chunk"])
 def _dqg_kernel(
-    dzr_ptr, x_ptr, part_ptr, N, n_sites, K,
-    D: tl.constexpr, DH: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-    USE_DOT: tl.constexpr, SPLIT_BF16: tl.constexpr,
+    dzr_ptr, x_ptr, part_ptr, N, n_sites, n_slots, K, chunk,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
+    BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCKS: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr, SPLIT_BF16: tl.constexpr,
 ):
-    # Program (channel block, slot j, site block): slot j's share of its sites' query gradients, summed over
-    # every token. Slot j is read by sites K j .. n_sites - 1 (S_j of them); its dz * r, (H, S_j, N), follows
-    # those of the slots before it in ``dzr``; the sum goes to rows K j + s of part[j].
-    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)  # [BLOCK_C] channels, all in one head
-    head = (tl.program_id(0) * BLOCK_C) // DH
-    j = tl.program_id(1).to(tl.int64)
-    first = K * j
-    S = n_sites - first
-    before = j * n_sites - K * j * (j - 1) // 2  # sites read by slots 0 .. j - 1
-    s = tl.program_id(2) * BLOCK_S + tl.arange(0, BLOCK_S)
-    s_ok = s < S
-    a_rows = dzr_ptr + (before * (D // DH) + head * S) * N + s.to(tl.int64)[:, None] * N  # [BLOCK_S, 1]
-    x_rows = x_ptr + j * N * D
-    acc = tl.zeros([BLOCK_S, BLOCK_C], tl.float32)
-    tokens = tl.where(tl.program_id(2) * BLOCK_S < S, N, 0)  # a block past the slot's sites: nothing to do
-    for k0 in range(0, tokens, BLOCK_K):
-        n = k0 + tl.arange(0, BLOCK_K)
-        n_ok = n < N
-        a = tl.load(a_rows + n[None, :], mask=s_ok[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_S, BLOCK_K]
-        b = tl.load(x_rows + n[:, None] * D + c[None, :], mask=n_ok[:, None], other=0.0)  # [BLOCK_K, BLOCK_C]
+    # Program (channel block, site block, token chunk): the query gradients of its sites on one block of a
+    # head's channels, summed over every slot and the chunk's tokens, to part[chunk]. Slot j is read by
+    # sites K j .. n_sites - 1 (S_j of them); its dz * r, (H, S_j, N), follows those of the slots before it
+    # in ``dzr``. One loop walks (slot, token block) pairs, so that the pipeline runs across slots. A head
+    # is one block (its DA channels and, with HAS_B, its rest: each block of dz * r loaded once for both)
+    # or, when wide, BLOCKS blocks of DA channels.
+    h = tl.program_id(0) // BLOCKS
+    c0 = h * DH + (tl.program_id(0) % BLOCKS) * DA  # the block's first channel
+    s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S] sites
+    s_ok = s < n_sites
+    t0 = tl.program_id(2) * chunk
+    t1 = tl.minimum(t0 + chunk, N)
+    ja = tl.arange(0, DA)
+    jb = tl.arange(0, BLOCK_DB)
+    b_ok = jb < DB
+    acc_a = tl.zeros([BLOCK_S, DA], tl.float32)
+    acc_b = tl.zeros([BLOCK_S, BLOCK_DB], tl.float32)  # (a placeholder without HAS_B)
+    # slots that some site of the block reads: j <= (last site) / K
+    slots = tl.minimum(n_slots, (tl.program_id(1) * BLOCK_S + BLOCK_S - 1) // K + 1)
+    blocks = tl.cdiv(t1 - t0, BLOCK_K)
+    for i in range(0, slots * blocks):
+        j = i // blocks
+        n = t0 + (i - j * blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
+        n_ok = n < t1
+        first = K * j
+        before = j * n_sites - K * j * (j - 1) // 2  # sites read by slots 0 .. j - 1
+        row = s - first  # the site's row in slot j's block; negative: the site does not read slot j
+        block = (before.to(tl.int64) * H + h * (n_sites - first)) * N
+        a = tl.load(dzr_ptr + block + row.to(tl.int64)[:, None] * N + n[None, :],
+                    mask=(s_ok & (row >= 0))[:, None] & n_ok[None, :], other=0.0)  # [BLOCK_S, BLOCK_K]
+        x_rows = x_ptr + j.to(tl.int64) * N * D + n.to(tl.int64)[:, None] * D + c0
+        xa = tl.load(x_rows + ja[None, :], mask=n_ok[:, None], other=0.0)  # [BLOCK_K, DA]
+        xb = xa
+        if HAS_B:
+            xb = tl.load(x_rows + DA + jb[None, :], mask=n_ok[:, None] & b_ok[None, :], other=0.0)
         if USE_DOT:
             if SPLIT_BF16:
                 a_hi = a.to(tl.bfloat16)
                 a_lo = (a - a_hi.to(tl.float32)).to(tl.bfloat16)
-                acc = tl.dot(a_hi, b, acc)
-                acc = tl.dot(a_lo, b, acc)
+                acc_a = tl.dot(a_lo, xa, tl.dot(a_hi, xa, acc_a))
+                if HAS_B:
+                    acc_b = tl.dot(a_lo, xb, tl.dot(a_hi, xb, acc_b))
             else:
-                acc = tl.dot(a, b.to(tl.float32), acc, input_precision="ieee")
+                acc_a = tl.dot(a, xa.to(tl.float32), acc_a, input_precision="ieee")
+                if HAS_B:
+                    acc_b = tl.dot(a, xb.to(tl.float32), acc_b, input_precision="ieee")
         else:
-            acc += tl.sum(a[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
-    out = part_ptr + j * n_sites * D + (first + s.to(tl.int64))[:, None] * D + c[None, :]
-    tl.store(out, acc, mask=s_ok[:, None])
+            acc_a += tl.sum(a[:, :, None] * xa.to(tl.float32)[None, :, :], axis=1)
+            if HAS_B:
+                acc_b += tl.sum(a[:, :, None] * xb.to(tl.float32)[None, :, :], axis=1)
+    out = part_ptr + tl.program_id(2).to(tl.int64) * n_sites * D + s.to(tl.int64)[:, None] * D + c0
+    tl.store(out + ja[None, :], acc_a, mask=s_ok[:, None])
+    if HAS_B:
+        tl.store(out + DA + jb[None, :], acc_b, mask=s_ok[:, None] & b_ok[None, :])
 
 
 # Launch configuration of the column kernel by model width: tokens per program, warps, pipeline stages (0:
@@ -277,21 +301,18 @@ def _dqg_kernel(
 COLUMN_CONFIGS = {512: (1, 2, 0), 1024: (1, 4, 0), 1280: (2, 2, 3)}
 COLUMN_CONFIG: tuple[int, int, int] | None = None
 COLUMN_MAXNREG = 0
-# The query gradients' product: sites and tokens per block, warps, stages. Measured on the H200 (one launch
-# for a step's slots): 32-token blocks 0.46 / 1.81 / 0.36 ms at d = 1024 / 1280 / 512, 64-token 0.73 / 1.90
-# / 0.48.
-QUERY_GRAD_CONFIG = (64, 32, 4, 3)
+# The query gradients' product: sites a block at most (the sites padded to a power of two, at least 16),
+# tokens a block, warps, stages, and programs an SM (the tokens are split in as many chunks as that
+# takes, each chunk's sums a row of the partial sums). Measured on the H200 (one launch for a step's
+# slots, d = 1024 / 1280 / 512): 0.454 / 1.100 / 0.304 ms; 2 programs an SM 0.483 / 1.197 / 0.420; blocks
+# of 128 sites with 8 warps 1.40 / 1.26 / 0.69.
+QUERY_GRAD_CONFIG = (64, 32, 4, 3, 8)
 
 
 def column_config(d: int) -> tuple[int, int, int]:
     if COLUMN_CONFIG is not None:
         return COLUMN_CONFIG
     return COLUMN_CONFIGS[min(COLUMN_CONFIGS, key=lambda w: (abs(w - d), w))]
-
-
-def _channel_block(head_width: int) -> int:
-    """The largest power of two dividing the head width, at most 64: a block of channels of one head."""
-    return min(64, head_width & -head_width)
 
 
 def column_backward(x: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta: Tensor, qg: Tensor,
@@ -341,24 +362,43 @@ def dzr_rows(slots: int, n_sites: int, block: int) -> int:
     return slots * n_sites - block * slots * (slots - 1) // 2
 
 
+def _products_fit(meta: dict) -> bool:
+    """Whether a head's blocks (``head_meta``'s DA and, with HAS_B, BLOCK_DB) are wide enough for ``tl.dot``."""
+    return meta["DA"] >= 16 and (not meta["HAS_B"] or meta["BLOCK_DB"] >= 16)
+
+
 def query_grads(dzr: Tensor, sources: Tensor, num_heads: int, n_sites: int, block: int) -> Tensor:
     """The sites' ``qg`` gradients (n_sites, d) fp32 from every slot at once: ``sources`` (slots, N, d)
     and, for each slot j in turn (read by sites ``block * j`` .. ``n_sites - 1``), its ``dz * r`` (H, S_j, N)
     packed one after the other in ``dzr`` (``dzr_rows``)."""
     n_slots, N, d = sources.shape
-    block_c = _channel_block(d // num_heads)
-    use_dot = block_c >= 16
-    options = {}
-    if sources.device.type == "cpu":  # interpreter
-        block_s, block_k = max(16, triton.next_power_of_2(min(n_sites, 64))), 16
-    elif use_dot:
-        block_s, block_k, warps, stages = QUERY_GRAD_CONFIG
-        options = {"num_warps": warps, "num_stages": stages}
+    if N == 0 or n_slots == 0:
+        return torch.zeros((n_sites, d), dtype=torch.float32, device=sources.device)
+    meta = {**head_meta(d, num_heads, has_b=True), "BLOCKS": 1}
+    if meta["DA"] > 128 or not _products_fit(meta):
+        # a wide head (AttnRes: one head of d channels), or one with a part narrower than a matrix
+        # product: blocks of the largest power of two dividing its width, at most 128
+        width = d // num_heads
+        meta.update(DA=min(128, width & -width), DB=0, BLOCK_DB=1, HAS_B=False)
+        meta["BLOCKS"] = width // meta["DA"]
+    use_dot = _products_fit(meta)
+    sites = max(16, triton.next_power_of_2(n_sites))
+    if sources.device.type == "cpu":  # interpreter: two chunks, so that tests cover their sum
+        block_s, block_k, chunks, options = min(sites, 64), 16, 2, {}
     else:
-        block_s, block_k = 16, 16
-    part = torch.zeros((n_slots, n_sites, d), dtype=torch.float32, device=sources.device)
-    meta = {"D": d, "DH": d // num_heads, "BLOCK_S": block_s, "BLOCK_K": block_k, "BLOCK_C": block_c,
-            "USE_DOT": use_dot, "SPLIT_BF16": sources.dtype == torch.bfloat16, **options}
-    grid = (d // block_c, n_slots, triton.cdiv(n_sites, block_s))
-    launch(_dqg_kernel, grid, (dzr, sources, part, N, n_sites, block), meta, sources.device)
+        max_s, block_k, warps, stages, per_sm = QUERY_GRAD_CONFIG
+        block_s = min(sites, max_s)
+        if not use_dot:  # elementwise products [sites, tokens, channels]: small blocks
+            block_s, block_k = 16, 16
+        programs = num_heads * meta["BLOCKS"] * triton.cdiv(n_sites, block_s)
+        chunks = triton.cdiv(per_sm * num_sms(device_index(sources.device)), programs)
+        options = {"num_warps": warps, "num_stages": stages}
+    chunks = max(1, min(chunks, triton.cdiv(N, block_k)))
+    chunk = triton.cdiv(triton.cdiv(N, chunks), block_k) * block_k
+    chunks = triton.cdiv(N, chunk)
+    part = torch.empty((chunks, n_sites, d), dtype=torch.float32, device=sources.device)
+    meta.update(BLOCK_S=block_s, BLOCK_K=block_k, USE_DOT=use_dot, SPLIT_BF16=sources.dtype == torch.bfloat16,
+                **options)
+    grid = (num_heads * meta["BLOCKS"], triton.cdiv(n_sites, block_s), chunks)
+    launch(_dqg_kernel, grid, (dzr, sources, part, N, n_sites, n_slots, block, chunk), meta, sources.device)
     return part.sum(0)

@@ -69,3 +69,23 @@ def routing_logsumexp_float64(sources: Tensor, query: Tensor, key_weight: Tensor
     """Log-sum-exp over depth of the routing logits, (B, T, H) float64: the statistic the kernels save for
     their backward."""
     return routing_logits(sources.double(), query.double(), key_weight.double(), num_heads, eps).logsumexp(0)
+
+
+def query_grads_float64(dzr: Tensor, sources: Tensor, num_heads: int, n_sites: int, block: int) -> Tensor:
+    """The sites' query-row gradients (n_sites, d) float64 from every slot's ``dz * r``: slot j of
+    ``sources`` (slots, N, d) is read by sites ``block * j`` .. ``n_sites - 1``, and its (H, S_j, N) block
+    follows those of the slots before it in the flat ``dzr``; ``dqg[s, c] = sum_j sum_n dzr_j[h(c), s, n]
+    x_j[n, c]``."""
+    n_slots, N, d = sources.shape
+    out = torch.zeros((n_sites, d), dtype=torch.float64, device=sources.device)
+    at = 0
+    for j in range(n_slots):
+        first = block * j
+        S = n_sites - first
+        if S <= 0:
+            break
+        part = dzr[at:at + num_heads * S * N].view(num_heads, S, N).double()
+        at += num_heads * S * N
+        x = sources[j].double().view(N, num_heads, d // num_heads)
+        out[first:] += torch.einsum("hsn,nhc->shc", part, x).reshape(S, d)
+    return out
