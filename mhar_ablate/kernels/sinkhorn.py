@@ -28,12 +28,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..model.residual.mhc import COLUMN_FLOOR  # the reference's floor of a column sum
 from .launch import launch
 
 __all__ = ["sinkhorn_triton", "sinkhorn_fwd", "sinkhorn_bwd", "COLUMN_FLOOR"]
-
-# Floor of a column sum: far below any sum a softmax'd row can give, but not zero (mhc.py's _COLUMN_FLOOR).
-COLUMN_FLOOR = 1e-30
 
 
 # ----------------------------------------------------------------------------------------------------------

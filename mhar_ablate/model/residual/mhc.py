@@ -44,9 +44,9 @@ from ...errors import UsageError
 from . import Residual, separate_rng
 from .hc import check_rate, expand_streams, mix_streams
 
-# Floor of a column sum in Sinkhorn-Knopp: far below any sum a softmax'd row can give, but not zero
-# (kernels/sinkhorn.py's COLUMN_FLOOR is the same).
-_COLUMN_FLOOR = 1e-30
+# Floor of a column sum in Sinkhorn-Knopp: far below any sum a softmax'd row can give, but not zero (the
+# Triton kernels in kernels/sinkhorn.py take it from here).
+COLUMN_FLOOR = 1e-30
 
 
 @dataclass
@@ -87,7 +87,7 @@ class _Sinkhorn(torch.autograd.Function):
         m = torch.softmax(logits, dim=1)
         outs, sums = [m], []
         for t in range(2 * iters - 1):  # columns, rows, columns, ...: the last one normalises columns
-            s = m.sum(0, keepdim=True).clamp_min(_COLUMN_FLOOR) if t % 2 == 0 else m.sum(1, keepdim=True)
+            s = m.sum(0, keepdim=True).clamp_min(COLUMN_FLOOR) if t % 2 == 0 else m.sum(1, keepdim=True)
             m = m / s
             outs.append(m)
             sums.append(s)
