@@ -305,7 +305,7 @@ COLUMN_MAXNREG = 0
 # tokens a block, warps, stages, and programs an SM (the tokens are split in as many chunks as that
 # takes, each chunk's sums a row of the partial sums). Measured on the H200 (one launch for a step's
 # slots, d = 1024 / 1280 / 512): 0.454 / 1.100 / 0.304 ms; 2 programs an SM 0.483 / 1.197 / 0.420; blocks
-# of 128 sites with 8 warps 1.40 / 1.26 / 0.69.
+# of 128 sites with 8 warps 1.40 / 1.26 / 0.47.
 QUERY_GRAD_CONFIG = (64, 32, 4, 3, 8)
 
 
