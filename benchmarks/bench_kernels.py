@@ -12,7 +12,7 @@ them, for example those of a commit REV:
 (carry ``.gpu-prev`` to the device machine).
 
     PYTHONPATH=$PWD python3 benchmarks/bench_kernels.py --presets paper350m,paper1b --out $OUT \\
-        --column-configs '1,4,2;1,4,4' --history-configs '4:1,1,6,2;4:16,4,3,2' --row-warps '2;8'
+        --column-configs '1,4,2;1,4,4' --history-configs '4:1,1,6,2;4:2,1,3,2' --row-warps '2;8'
 
 Bytes per call (e = bytes of an element of the buffer, U = N·d·e one source):
 - write_slot: read the source and write the slot, 2 U, and the RMS (N fp32).
@@ -25,7 +25,7 @@ Bytes per call (e = bytes of an element of the buffer, U = N·d·e one source):
   log-sum-exps and deltas read, dz·r written: 3·S·N·H·4.
 - query_grad (one product over all slots): every slot's dz·r and every slot read, and 3·slots·sites·d·4
   for partial sums (what the per-slot sums of an earlier form moved, kept so that the figures compare
-  across rounds; the chunks' sums of the present form move 0.6 to 3.4 times that, 2-4 % of the total).
+  across rounds; the chunks' sums of the present form move 0.6 to 3.4 times that, 2-4 % of the total, by arithmetic).
 """
 
 from __future__ import annotations
@@ -112,8 +112,11 @@ class Step:
         out = []
         if kind == "write_slot":
             for j in range(self.n_sites):
-                out.append((lambda j=j: (history.write_slot(self.source[j], self.buffer[j], self.rms[j], eps),
-                                         self.buffer[j], self.rms[j])[1:], 2 * U + N * 4))
+                def write(j=j):
+                    history.write_slot(self.source[j], self.buffer[j], self.rms[j], eps)
+                    return self.buffer[j], self.rms[j]
+
+                out.append((write, 2 * U + N * 4))
         elif kind in ("history_fwd", "sites_fwd"):
             for p in self.plans:
                 rows = slice(p.start, p.start + p.size)
@@ -144,10 +147,13 @@ class Step:
         elif kind == "sites_bwd":
             empty = self.buffer[:0]
             for s in range(self.n_sites):
-                out.append((lambda s=s: (history.sites_backward(
-                    empty, empty, False, self.qg[s:s + 1], H, eps, self.grad_out[s:s + 1], self.lse[s:s + 1],
-                    self.delta[s:s + 1], out=self.out[s], grad_copy=self.copy[s:s + 1]), self.delta[s],
-                    self.copy[s])[1:], 3 * U + 2 * N * H * 4))
+                def prologue(s=s):  # a site's delta and the copy of its output gradient
+                    history.sites_backward(empty, empty, False, self.qg[s:s + 1], H, eps, self.grad_out[s:s + 1],
+                                           self.lse[s:s + 1], self.delta[s:s + 1], out=self.out[s],
+                                           grad_copy=self.copy[s:s + 1])
+                    return self.delta[s], self.copy[s]
+
+                out.append((prologue, 3 * U + 2 * N * H * 4))
         elif kind == "column":
             for j in range(self.n_sites):
                 S = self.n_sites - j

@@ -4,7 +4,7 @@
 # training step timed alone with its bytes and share of the copy bandwidth (benchmarks/bench_kernels.py),
 # launch configurations swept. Logs and JSON under $OUT.
 #
-#   OUT=$OUT PRESETS=paper350m,paper1b PREV=.gpu-prev COL='1,4,2;1,4,4' HIST='4:1,1,6,2' QUERY='64,64,4,3' \
+#   OUT=$OUT PRESETS=paper350m,paper1b PREV=.gpu-prev COL='1,4,2;1,4,4' HIST='4:1,1,6,2' QUERY='64,32,4,3,4' \
 #       bash benchmarks/gpu_kernel_sweep.sh
 #
 # PREV: a folder with a package prev_kernels (earlier history.py, column.py, launch.py) to time beside the

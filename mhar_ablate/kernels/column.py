@@ -393,8 +393,7 @@ def query_grads(dzr: Tensor, sources: Tensor, num_heads: int, n_sites: int, bloc
         programs = num_heads * meta["BLOCKS"] * triton.cdiv(n_sites, block_s)
         chunks = triton.cdiv(per_sm * num_sms(device_index(sources.device)), programs)
         options = {"num_warps": warps, "num_stages": stages}
-    chunks = max(1, min(chunks, triton.cdiv(N, block_k)))
-    chunk = triton.cdiv(triton.cdiv(N, chunks), block_k) * block_k
+    chunk = triton.cdiv(triton.cdiv(N, chunks), block_k) * block_k  # tokens a chunk, whole blocks
     chunks = triton.cdiv(N, chunk)
     part = torch.empty((chunks, n_sites, d), dtype=torch.float32, device=sources.device)
     meta.update(BLOCK_S=block_s, BLOCK_K=block_k, USE_DOT=use_dot, SPLIT_BF16=sources.dtype == torch.bfloat16,
