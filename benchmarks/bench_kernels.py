@@ -12,7 +12,7 @@ them, for example those of a commit REV:
 (carry ``.gpu-prev`` to the device machine).
 
     PYTHONPATH=$PWD python3 benchmarks/bench_kernels.py --presets paper350m,paper1b --out $OUT \\
-        --column-configs '1,4,2;1,4,4' --history-configs '4:1,1,6,2;4:2,1,3,2' --row-warps '2;8'
+        --column-configs '1,4,2;1,4,4' --two-slot-configs '1,2,0;1,2,3' --one-slot --history-configs '4:1,1,6,2;4:2,1,3,2' --row-warps '2;8'
 
 Bytes per call (e = bytes of an element of the buffer, U = N·d·e one source):
 - write_slot: read the source and write the slot, 2 U, and the RMS (N fp32).
@@ -21,8 +21,10 @@ Bytes per call (e = bytes of an element of the buffer, U = N·d·e one source):
   U written, the log-sum-exps read and written.
 - sites_bwd (each site's backward prologue): the output gradient and the output read, the copy written, 3 U,
   the log-sum-exps read and delta written.
-- column (one slot read by S sites): the slot U, the S output gradients S U, the gradient U; the sites'
-  log-sum-exps and deltas read, dz·r written: 3·S·N·H·4.
+- column (a pass over S sites, ``column.slot_passes``): the slot U, the S output gradients S U, the gradient
+  U; the sites' log-sum-exps and deltas read, dz·r written: 3·S·N·H·4. A two-slot pass also reads the
+  lower slot U and writes its dz·r, S·N·H·4, and its carry, N·(d + H)·4, which the lower slot's own pass
+  (over the sites that read it alone) reads back.
 - query_grad (one product over all slots): every slot's dz·r and every slot read, and 3·slots·sites·d·4
   for partial sums (what the per-slot sums of an earlier form moved, kept so that the figures compare
   across rounds; the chunks' sums of the present form move 0.6 to 3.4 times that, 2-4 % of the total, by arithmetic).
@@ -97,13 +99,21 @@ class Step:
                 self.rest[p.start] = torch.empty((max(p.size - 1, 1), N, d), dtype=dtype, device=device)
         self.merged = torch.empty((N, d), dtype=dtype, device=device)
         self.dzr = torch.randn(kernels["column"].dzr_rows(n, n, 1) * H * N, generator=gen, device=device)
+        self.dzr_rows = kernels["column"].dzr_rows
         self.copy = torch.empty((n, N, d), dtype=dtype, device=device)
+        self.carry_acc = torch.empty((N, d), dtype=torch.float32, device=device)
+        self.carry_dr = torch.empty((N, H), dtype=torch.float32, device=device)
         # The statistics a real forward leaves: run the forward passes once with the default kernels.
         for fn, _ in self.calls("history_fwd", kernels) + self.calls("sites_fwd", kernels):
             fn()
         for fn, _ in self.calls("sites_bwd", kernels):
             fn()
         sync()
+
+    def dzr_of(self, j: int) -> torch.Tensor:
+        """Slot j's (H, S_j, N) block of the step's dz * r."""
+        start, S = self.dzr_rows(j, self.n_sites, 1) * self.H * self.N, self.n_sites - j
+        return self.dzr[start:start + S * self.H * self.N].view(self.H, S, self.N)
 
     def calls(self, kind: str, kernels) -> list[tuple]:
         """(closure, bytes) for each call of ``kind`` in one step."""
@@ -155,11 +165,30 @@ class Step:
 
                 out.append((prologue, 3 * U + 2 * N * H * 4))
         elif kind == "column":
-            for j in range(self.n_sites):
-                S = self.n_sites - j
-                out.append((lambda j=j: column.slot_grad(self.buffer[j], self.rms[j], self.copy[j:], self.lse[j:],
-                                                         self.delta[j:], self.qg[j:], H),
-                             (S + 2) * U + N * 4 + 3 * S * N * H * 4))
+            stats = 3 * N * H * 4  # per site: its log-sum-exps and deltas read, dz * r written
+            if not hasattr(column, "slot_passes"):  # an earlier column module: one pass a slot
+                for j in range(self.n_sites):
+                    S = self.n_sites - j
+                    out.append((lambda j=j: column.slot_grad(self.buffer[j], self.rms[j], self.copy[j:],
+                                                             self.lse[j:], self.delta[j:], self.qg[j:], H),
+                                 (S + 2) * U + N * 4 + S * stats))
+                return out
+            carry = column.Carry(self.carry_acc, self.carry_dr)
+            n = self.n_sites
+            for p in column.slot_passes(n, n, 1, column.pairs_slots(d)):
+                S = len(p.sites)
+                moved = (S + 2) * U + N * 4 + S * stats
+                if p.low:  # the lower slot and its RMS read, its dz * r written, its carry written
+                    moved += U + N * 4 + S * N * H * 4 + N * (d + H) * 4
+                if p.carried:  # the carry read
+                    moved += N * (d + H) * 4
+
+                def run(p=p):
+                    grad = column.run_pass(p, self.buffer, self.rms, self.copy, self.lse, self.delta, self.qg, H, 1,
+                                           self.dzr_of, carry)
+                    return (grad,)
+
+                out.append((run, moved))
         elif kind == "query_grad":  # one product over every slot of the step
             P = column.dzr_rows(self.n_sites, self.n_sites, 1)
             out.append((lambda: (column.query_grads(self.dzr, self.buffer, H, self.n_sites, 1),),
@@ -216,6 +245,9 @@ def main() -> int:
     p.add_argument("--device", default="cuda", help="cuda; cpu runs the script's logic through the interpreter "
                    "(tiny preset) to check it, timing nothing that matters")
     p.add_argument("--column-configs", default="", help="'TOKENS,WARPS,STAGES;...' for the column kernel")
+    p.add_argument("--two-slot-configs", default="",
+                   help="'TOKENS,WARPS,STAGES;...' for the column kernel's passes over two slots")
+    p.add_argument("--one-slot", action="store_true", help="also time the column passes one slot a pass")
     p.add_argument("--history-configs", default="",
                    help="'G:TOKENS,WARPS,STAGES,SOURCES;...' for the head-tiled forward")
     p.add_argument("--query-configs", default="",
@@ -270,9 +302,13 @@ def main() -> int:
         # The column kernels first: the head-tiled forward rewrites the log-sum-exps that they read.
         saved = (column.COLUMN_CONFIG, column.QUERY_GRAD_CONFIG, column.COLUMN_MAXNREG,
                  {k: dict(v) for k, v in history.HISTORY_CONFIG.items()}, history.WRITE_SLOT_CONFIG,
-                 history.ROW_WARPS)
+                 history.ROW_WARPS, column.TWO_SLOT_CONFIG, column.TWO_SLOTS)
         variants = [("column", "prev", prev, None)] if prev is not None else []
         variants += [("column", f"col {c}", current, ("col", c)) for c in parse_configs(args.column_configs, False)]
+        variants += [("column", f"two-slot {c}", current, ("two", c))
+                     for c in parse_configs(args.two_slot_configs, False)]
+        if args.one_slot:
+            variants.append(("column", "one slot a pass", current, ("one-slot", None)))
         variants += [("query_grad", f"qg {c}", current, ("qg", c)) for c in parse_configs(args.query_configs, False)]
         variants += [("write_slot", f"write {c}", current, ("write", c))
                      for c in parse_configs(args.write_configs, False)]
@@ -289,6 +325,10 @@ def main() -> int:
             what, cfg = setting
             if what == "col":  # TOKENS, WARPS, STAGES (0: the prefetching kernel), optional MAXNREG
                 column.COLUMN_CONFIG, column.COLUMN_MAXNREG = cfg[:3], cfg[3] if len(cfg) > 3 else 0
+            elif what == "two":
+                column.TWO_SLOT_CONFIG = cfg
+            elif what == "one-slot":
+                column.TWO_SLOTS = False
             elif what == "qg":
                 column.QUERY_GRAD_CONFIG = cfg
             elif what == "write":
@@ -301,7 +341,7 @@ def main() -> int:
         def restore():
             column.COLUMN_CONFIG, column.QUERY_GRAD_CONFIG, column.COLUMN_MAXNREG = saved[:3]
             history.HISTORY_CONFIG = {k: dict(v) for k, v in saved[3].items()}
-            history.WRITE_SLOT_CONFIG, history.ROW_WARPS = saved[4:]
+            history.WRITE_SLOT_CONFIG, history.ROW_WARPS, column.TWO_SLOT_CONFIG, column.TWO_SLOTS = saved[4:]
 
         if args.profile:
             import torch.cuda.nvtx as nvtx

@@ -37,7 +37,8 @@ from mhar_ablate.kernels.launch import head_meta
 TARGET = GPUTarget("cuda", 90, 32)
 POINTERS = {  # argument: element type; the rest of the arguments are i32 or constexpr
     "x_ptr": "bf16", "rms_ptr": "fp32", "g_ptr": "bf16", "lse_ptr": "fp32", "delta_ptr": "fp32", "qg_ptr": "fp32",
-    "dx_ptr": "bf16", "dzr_ptr": "fp32", "src_ptr": "bf16", "out0_ptr": "bf16", "rest_ptr": "bf16", "part_ptr": "fp32",
+    "dx_ptr": "bf16", "dzr_ptr": "fp32", "y_ptr": "bf16", "ry_ptr": "fp32", "dzr_low_ptr": "fp32",
+    "carry_ptr": "fp32", "carry_dr_ptr": "fp32", "src_ptr": "bf16", "out0_ptr": "bf16", "rest_ptr": "bf16", "part_ptr": "fp32",
 }
 ALIGNED = set(POINTERS) | {"stride_s"}  # 16-divisible, as the JIT sees them on a launch
 
@@ -100,18 +101,23 @@ def row(kernel: str, d: int, config, warps: int, compiled, loop_bytes: float) ->
 
 
 def column_rows(d: int, heads: int, configs: list[tuple], use_ptx: bool) -> list[dict]:
+    """The column kernel at the tables' configurations and ``configs``: one slot a pass, a carried pass
+    (the lower slot's own, starting from the carry) and a pass over two slots."""
     out = []
-    table = column.column_config(d)
-    for block_n, warps, stages in [table] + [c for c in configs if c != table]:
-        meta = {**head_meta(d, heads, has_b=True), "PTX": use_ptx}
-        if stages:
-            fn, meta = column._column_bwd_kernel, {**meta, "BLOCK_N": block_n, "STAGES": stages}
-        else:
-            fn, meta = column._column_bwd_prefetch_kernel, {**meta, "PAIR": block_n == 2}
-        # per site: the tokens' output-gradient rows (bf16) and the site's query row (fp32)
-        loop_bytes = block_n * d * 2 + d * 4
-        out.append(row(fn.fn.__name__, d, (block_n, warps, stages), warps, compile_for_sm90(fn, meta, warps),
-                       loop_bytes))
+    for two in (False, True):
+        table = column.column_config(d, two_slots=two) if not two or column.pairs_slots(d) else None
+        for block_n, warps, stages in ([table] if table else []) + [c for c in configs if c != table]:
+            if two and block_n > 1 and not stages:
+                continue  # the prefetching kernel takes two slots with one token a program
+            meta = {**head_meta(d, heads, has_b=True), "PTX": use_ptx, "LOW": two, "CARRY": False}
+            if stages:
+                fn, meta = column._column_bwd_kernel, {**meta, "BLOCK_N": block_n, "STAGES": stages}
+            else:
+                fn, meta = column._column_bwd_prefetch_kernel, {**meta, "PAIR": block_n == 2}
+            # per site: the tokens' output-gradient rows (bf16) and the site's query row (fp32)
+            loop_bytes = block_n * d * 2 + d * 4
+            name = fn.fn.__name__ + (" (two slots)" if two else "")
+            out.append(row(name, d, (block_n, warps, stages), warps, compile_for_sm90(fn, meta, warps), loop_bytes))
     return out
 
 

@@ -106,6 +106,65 @@ def test_backward_by_source_matches_autograd(S, N, d, H, config, monkeypatch):
     torch.testing.assert_close(dqg, dqg_ref.float(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("n_sites,block,N,d,H", [
+    (5, 1, 7, 48, 4),  # head width 12 = 8 + 4; 5 slots: two two-slot passes and slot 4 alone
+    (4, 1, 5, 64, 2),  # 4 slots: slot 3 takes slot 2, slot 1 takes slot 0
+    (10, 4, 6, 32, 2),  # block:4, 3 slots: slot 1 takes slot 0, whose own pass reads sites 0..3
+])
+@pytest.mark.parametrize("config", [(1, 4, 0), (2, 4, 2)], ids=["row", "pipelined"])
+def test_two_slot_passes_match_autograd(n_sites, block, N, d, H, config, monkeypatch):
+    """A step's backward by source as ``slot_passes`` plans it (odd slots' passes carrying the even slot
+    below's sums, each even slot finishing from the carry): every slot's gradient, and the query gradients
+    from the dz * r the passes left, against autograd of the reference (site s reads slots 0 .. s // block);
+    with the prefetching kernel (one token a program) and the pipelined one (two-token tiles)."""
+    monkeypatch.setattr(column, "COLUMN_CONFIG", config)
+    monkeypatch.setattr(column, "TWO_SLOT_CONFIG", config)
+    slots = (n_sites - 1) // block + 1
+    src, qg, grad_out = _inputs(slots, N, d, n_sites, seed=n_sites * 10 + d)
+    src64 = src.double().requires_grad_(True)
+    qg64 = qg.double().requires_grad_(True)
+    outs, lses = zip(*(_route(src64[:s // block + 1], qg64[s], H) for s in range(n_sites)))
+    loss = sum((o * g.double()).sum() for o, g in zip(outs, grad_out))
+    dsrc_ref, dqg_ref = torch.autograd.grad(loss, (src64, qg64))
+    lse = torch.stack([l.t() for l in lses]).detach().float().contiguous()
+    delta = torch.einsum("knhc,knhc->knh", grad_out.view(n_sites, N, H, -1),
+                         torch.stack(outs).detach().float().view(n_sites, N, H, -1)).contiguous()
+    rms = _rms(src)
+    dzr = torch.full((column.dzr_rows(slots, n_sites, block) * H * N,), float("nan"))
+
+    def dzr_of(j):
+        start, S = column.dzr_rows(j, n_sites, block) * H * N, n_sites - block * j
+        return dzr[start:start + S * H * N].view(H, S, N)
+
+    carry = column.Carry(torch.full((N, d), float("nan")), torch.full((N, H), float("nan")))
+    passes = column.slot_passes(slots, n_sites, block, two_slots=True)
+    assert [p.slot for p in passes] == list(reversed(range(slots)))
+    assert sum(p.low for p in passes) == slots // 2 == sum(p.carried for p in passes)
+    for p in passes:
+        dx = column.run_pass(p, src, rms, grad_out, lse, delta, qg, H, block, dzr_of, carry)
+        torch.testing.assert_close(dx, dsrc_ref[p.slot].float(), rtol=1e-4, atol=1e-4)
+    dqg = column.query_grads(dzr, src, H, n_sites, block)
+    torch.testing.assert_close(dqg, dqg_ref.float(), rtol=1e-4, atol=1e-4)
+
+
+def test_a_carried_slot_whose_pass_above_did_not_run_reads_every_site():
+    """``carried=False`` (the two-slot pass above it never ran): the slot's pass takes all its sites and
+    ignores whatever the carry holds."""
+    S, N, d, H = 3, 4, 32, 2
+    src, qg, grad_out = _inputs(2, N, d, S, seed=5)
+    lse = torch.randn(S, N, H)
+    delta = torch.randn(S, N, H)
+    rms = _rms(src)
+    truth, _ = column.slot_grad(src[0], rms[0], grad_out, lse, delta, qg, H)
+    dzr = torch.empty(column.dzr_rows(2, S, 1) * H * N)
+    carry = column.Carry(torch.full((N, d), 1e3), torch.full((N, H), 1e3))
+    (low, carried) = column.slot_passes(2, S, 1, two_slots=True)
+    assert low.low and carried.carried
+    got = column.run_pass(carried, src, rms, grad_out, lse, delta, qg, H, 1,
+                          lambda j: dzr[:(S - j) * H * N].view(H, S - j, N), carry, carried=False)
+    torch.testing.assert_close(got, truth)
+
+
 def test_write_slot_stores_the_row_and_its_rms():
     """Several tokens a program (40 channels padded to 64: 32 tokens), the last program part-filled."""
     gen = torch.Generator().manual_seed(3)

@@ -201,6 +201,22 @@ def assert_qg_grad(dqg, truth, src, grad_out, dtype) -> None:
         assert rel_err(dqg, truth) <= TOL[dtype], f"grad qg: {rel_err(dqg, truth):.2e}"
 
 
+def backward_truth(src, qg, grad_out, H, block):
+    """Sites s = 0 .. len(qg) - 1 reading slots 0 .. s // block of ``src``: autograd of the oracle for the
+    loss sum_s <out_s, grad_out_s>, the slots' and query rows' float64 gradients, and the statistics the
+    forward leaves for the backward (log-sum-exps and deltas, (sites, N, H) fp32)."""
+    n_sites, N, d = grad_out.shape
+    src64 = src.double().requires_grad_(True)
+    qg64 = qg.double().requires_grad_(True)
+    outs, lses = zip(*(oracle_site(src64[:s // block + 1], qg64[s], H) for s in range(n_sites)))
+    loss = sum((o * g.double()).sum() for o, g in zip(outs, grad_out))
+    dsrc64, dqg64 = torch.autograd.grad(loss, (src64, qg64))
+    lse = torch.stack(lses).detach().float().contiguous()
+    delta = torch.einsum("knhc,knhc->knh", grad_out.double().view(n_sites, N, H, -1),
+                         torch.stack(outs).detach().view(n_sites, N, H, -1)).float().contiguous()
+    return dsrc64, dqg64, lse, delta
+
+
 HISTORY_SHAPES = [  # S, N, d, H, G
     (5, 77, 1280, 8, 4),  # head width 160 = 128 + 32
     (1, 5, 48, 4, 3),  # one source, head width 12, three sites padded to four
@@ -342,14 +358,7 @@ def test_column_backward_matches_float64(dtype, S, N, d, H, config, monkeypatch)
 
     monkeypatch.setattr(column, "COLUMN_CONFIG", config)
     src, qg, grad_out = site_inputs(S, N, d, S, dtype, seed=11 * S + d)
-    src64 = src.double().requires_grad_(True)
-    qg64 = qg.double().requires_grad_(True)
-    outs, lses = zip(*(oracle_site(src64[:k + 1], qg64[k], H) for k in range(S)))
-    loss = sum((o * g.double()).sum() for o, g in zip(outs, grad_out))
-    dsrc64, dqg64 = torch.autograd.grad(loss, (src64, qg64))
-    lse = torch.stack(lses).detach().float().contiguous()
-    delta = torch.einsum("knhc,knhc->knh", grad_out.double().view(S, N, H, -1),
-                         torch.stack(outs).detach().view(S, N, H, -1)).float().contiguous()
+    dsrc64, dqg64, lse, delta = backward_truth(src, qg, grad_out, H, 1)
     rms = rms_of(src)
     dqg = torch.zeros(S, d, device=DEVICE)
     for j in range(S):
@@ -359,6 +368,40 @@ def test_column_backward_matches_float64(dtype, S, N, d, H, config, monkeypatch)
         assert rel_err(dx, dsrc64[j]) <= TOL[dtype], f"slot {j}: {rel_err(dx, dsrc64[j]):.2e}"
         dqg[j:] += part
     assert_qg_grad(dqg, dqg64, src, grad_out, dtype)
+
+
+@dtypes
+@pytest.mark.parametrize("n_sites,block,N,d,H", [(5, 1, 37, 1280, 8), (9, 1, 70, 1024, 8), (10, 4, 19, 512, 8),
+                                                 (4, 1, 5, 48, 4), (4, 1, 24, 1024, 1)], ids=lambda v: str(v))
+@pytest.mark.parametrize("config", [None, (1, 4, 0), (1, 2, 4), (2, 2, 3)],
+                         ids=["table", "row", "pipelined", "pipelined-pair"])
+def test_two_slot_passes_match_float64(dtype, n_sites, block, N, d, H, config, monkeypatch):
+    """A step's backward by source as ``slot_passes`` plans it (two slots a pass, the lower one finished
+    from the carry by its own pass over the sites only it reads): each slot's gradient and, from the dz * r
+    the passes left, the query gradients, against autograd of the oracle; site s reads slots 0 .. s // block.
+    With the table's configuration (which at d = 1280 takes one slot a pass) and with each form forced."""
+    from mhar_ablate.kernels import column
+
+    monkeypatch.setattr(column, "TWO_SLOT_CONFIG", config)
+    if config is not None and config[0] == 1:
+        monkeypatch.setattr(column, "COLUMN_CONFIG", config)
+    slots = (n_sites - 1) // block + 1
+    src, qg, grad_out = site_inputs(slots, N, d, n_sites, dtype, seed=n_sites * 13 + d)
+    dsrc64, dqg64, lse, delta = backward_truth(src, qg, grad_out, H, block)
+    rms = rms_of(src)
+    dzr = nan_like((column.dzr_rows(slots, n_sites, block) * H * N,), torch.float32)
+
+    def dzr_of(j):
+        start, S = column.dzr_rows(j, n_sites, block) * H * N, n_sites - block * j
+        return dzr[start:start + S * H * N].view(H, S, N)
+
+    carry = column.Carry(nan_like((N, d), torch.float32), nan_like((N, H), torch.float32))
+    for p in column.slot_passes(slots, n_sites, block, column.pairs_slots(d)):
+        poison()
+        dx = column.run_pass(p, src, rms, grad_out, lse, delta, qg, H, block, dzr_of, carry)
+        assert dx.dtype == dtype
+        assert rel_err(dx, dsrc64[p.slot]) <= TOL[dtype], f"slot {p.slot}: {rel_err(dx, dsrc64[p.slot]):.2e}"
+    assert_qg_grad(column.query_grads(dzr, src, H, n_sites, block), dqg64, src, grad_out, dtype)
 
 
 QUERY_SHAPES = [  # slots, N, d, H, sites, block (slot j read by sites block * j ..)

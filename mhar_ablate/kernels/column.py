@@ -15,6 +15,11 @@ one transfer per pair plus two per slot (1,323 at that shape).
   ``dz * r``, from which the routing parameters' gradients follow. The first loads a site ahead into
   registers, the second through Triton's shared-memory pipeline; which is faster depends on the width
   (``COLUMN_CONFIGS``, measured).
+* Two slots a pass (``slot_passes``, where ``TWO_SLOT_CONFIGS`` says so): the sites that read slot j also
+  read slot j - 1, so the pass for an odd slot j sums their share of slot j - 1 too (LOW), reading each
+  output-gradient row and query row once for both, and leaves it in a carry; slot j - 1's own pass, when
+  autograd reaches it, adds the sites that read it alone (CARRY). The output gradients are then read
+  about half as often (843 instead of 1,323 source-sized transfers a step at the 350M shape).
 * ``_dqg_kernel``: those gradients, ``dqg[s, c] = sum_n dzr[h(c), s, n] * x[n, c]``, a matrix product
   over tokens per head, on tensor cores (bf16 sources: ``dzr`` split into two bf16 parts, so the product
   keeps about 16 bits of it) or in fp32. The training path runs it once for every slot of a step
@@ -29,6 +34,9 @@ Math as in ``history`` (per site s reading the slot x, with g_s its output gradi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -37,7 +45,8 @@ from torch import Tensor
 from . import ptx
 from .launch import device_index, head_meta, launch, num_sms
 
-__all__ = ["column_backward", "slot_grad", "query_grads", "dzr_rows"]
+__all__ = ["column_backward", "slot_grad", "slot_passes", "pairs_slots", "SlotPass", "run_pass", "Carry", "Low",
+           "query_grads", "dzr_rows"]
 
 
 @triton.jit
@@ -86,18 +95,51 @@ def _column_site(xa, xb, ga, gb, qa, qb, r, lse, delta, dxa, dxb, dr, HAS_B: tl.
     return rdz, dxa, dxb, dr
 
 
-@triton.jit(do_not_specialize=["N", "S"])
+@triton.jit
+def _carried(carry_ptr, carry_dr_ptr, offs_a, offs_b, stat, row_ok, b_ok, stat_ok, dxb, HAS_B: tl.constexpr):
+    """A slot's sums over its other sites, from the pass above that carried them (``dxb`` returned as it
+    is without HAS_B)."""
+    dxa = tl.load(carry_ptr + offs_a, mask=row_ok, other=0.0)
+    if HAS_B:
+        dxb = tl.load(carry_ptr + offs_b, mask=row_ok & b_ok, other=0.0)
+    dr = tl.load(carry_dr_ptr + stat, mask=stat_ok, other=0.0)
+    return dxa, dxb, dr
+
+
+@triton.jit
+def _carry_out(carry_ptr, carry_dr_ptr, offs_a, offs_b, stat, row_ok, b_ok, stat_ok, dya, dyb, dry,
+               HAS_B: tl.constexpr):
+    """The low slot's sums over this pass's sites, before its RMS term, for its own pass to finish."""
+    tl.store(carry_ptr + offs_a, dya, mask=row_ok)
+    if HAS_B:
+        tl.store(carry_ptr + offs_b, dyb, mask=row_ok & b_ok)
+    tl.store(carry_dr_ptr + stat, dry, mask=stat_ok)
+
+
+@triton.jit
+def _finish(dx_ptr, offs_a, offs_b, row_ok, b_ok, xa, xb, dxa, dxb, dr, r, D: tl.constexpr, HAS_B: tl.constexpr):
+    """The slot's gradient: the sums less the part through its RMS statistic, in the slot's dtype."""
+    w = (tl.sum(dr, axis=1)[:, None] * (r * r * r / D))[:, :, None]  # [T, 1, 1]
+    tl.store(dx_ptr + offs_a, (dxa - w * xa).to(dx_ptr.dtype.element_ty), mask=row_ok)
+    if HAS_B:
+        tl.store(dx_ptr + offs_b, (dxb - w * xb).to(dx_ptr.dtype.element_ty), mask=row_ok & b_ok)
+
+
+@triton.jit(do_not_specialize=["N", "S", "dzr_head", "low_head"])
 def _column_bwd_kernel(
     x_ptr, rms_ptr, g_ptr, lse_ptr, delta_ptr, qg_ptr, dx_ptr, dzr_ptr,
-    N, S,
+    y_ptr, ry_ptr, dzr_low_ptr, carry_ptr, carry_dr_ptr,
+    N, S, dzr_head, low_head,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PTX: tl.constexpr,
+    LOW: tl.constexpr, CARRY: tl.constexpr,
 ):
-    # A program holds BLOCK_N tokens' rows, [BLOCK_N, H, .]; a site's query row [1, H, .] broadcasts over
-    # them. Per site the program reads one output-gradient row from memory and the site's query row from
-    # cache and does a few reductions: too little to cover the memory's latency from registers. The loop is
-    # software-pipelined over STAGES sites instead (``tl.range``: the site's loads are copied into shared
-    # memory STAGES - 1 sites ahead), which puts bytes in flight without holding them in registers.
+    # A program holds BLOCK_N tokens' rows, [BLOCK_N, H, .] (and, with LOW, those of the low slot y); a
+    # site's query row [1, H, .] broadcasts over them. Per site the program reads one output-gradient row
+    # from memory and the site's query row from cache and does a few reductions: too little to cover the
+    # memory's latency from registers. The loop is software-pipelined over STAGES sites instead
+    # (``tl.range``: the site's loads are copied into shared memory STAGES - 1 sites ahead), which puts
+    # bytes in flight without holding them in registers.
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     nn = n[:, None, None]
@@ -105,6 +147,8 @@ def _column_bwd_kernel(
     row_ok = n_ok[:, None, None]
     offs_a = nn * D + col_a  # [BLOCK_N, H, DA]
     offs_b = nn * D + col_b
+    stat = n[:, None] * H + hh[None, :]  # [BLOCK_N, H]: offsets in the (sites, N, H) statistics
+    stat_ok = n_ok[:, None]
     xa = tl.load(x_ptr + offs_a, mask=row_ok, other=0.0).to(tl.float32)
     xb = tl.zeros([BLOCK_N, H, BLOCK_DB], tl.float32)  # (a placeholder without HAS_B)
     if HAS_B:
@@ -113,9 +157,19 @@ def _column_bwd_kernel(
     dxa = tl.zeros([BLOCK_N, H, DA], tl.float32)
     dxb = tl.zeros([BLOCK_N, H, BLOCK_DB], tl.float32)
     dr = tl.zeros([BLOCK_N, H], tl.float32)
-    stat = n[:, None] * H + hh[None, :]  # [BLOCK_N, H]: offsets in the (sites, N, H) statistics
-    stat_ok = n_ok[:, None]
-    dzr = dzr_ptr + hh.to(tl.int64)[None, :] * S * N + n[:, None]
+    if CARRY:
+        dxa, dxb, dr = _carried(carry_ptr, carry_dr_ptr, offs_a, offs_b, stat, row_ok, b_ok, stat_ok, dxb, HAS_B)
+    if LOW:
+        ya = tl.load(y_ptr + offs_a, mask=row_ok, other=0.0).to(tl.float32)
+        yb = xb
+        if HAS_B:
+            yb = tl.load(y_ptr + offs_b, mask=row_ok & b_ok, other=0.0).to(tl.float32)
+        ry = tl.load(ry_ptr + n, mask=n_ok, other=0.0)[:, None]
+        dya = tl.zeros([BLOCK_N, H, DA], tl.float32)
+        dyb = tl.zeros([BLOCK_N, H, BLOCK_DB], tl.float32)
+        dry = tl.zeros([BLOCK_N, H], tl.float32)
+        dzr_low = dzr_low_ptr + hh.to(tl.int64)[None, :] * low_head + n[:, None]
+    dzr = dzr_ptr + hh.to(tl.int64)[None, :] * dzr_head + n[:, None]
     for s in tl.range(S, num_stages=STAGES):
         site = tl.cast(s, tl.int64)
         g = g_ptr + site * N * D
@@ -130,24 +184,30 @@ def _column_bwd_kernel(
         delta = tl.load(delta_ptr + site * N * H + stat, mask=stat_ok, other=0.0)
         rdz, dxa, dxb, dr = _column_site(xa, xb, ga, gb, qa, qb, r, lse, delta, dxa, dxb, dr, HAS_B, PTX)
         ptx.store_f32(dzr + site * N, rdz, stat_ok, PTX)
-    w = (tl.sum(dr, axis=1)[:, None] * (r * r * r / D))[:, :, None]  # [BLOCK_N, 1, 1]
-    tl.store(dx_ptr + offs_a, (dxa - w * xa).to(dx_ptr.dtype.element_ty), mask=row_ok)
-    if HAS_B:
-        tl.store(dx_ptr + offs_b, (dxb - w * xb).to(dx_ptr.dtype.element_ty), mask=row_ok & b_ok)
+        if LOW:
+            rdz, dya, dyb, dry = _column_site(ya, yb, ga, gb, qa, qb, ry, lse, delta, dya, dyb, dry, HAS_B, PTX)
+            ptx.store_f32(dzr_low + site * N, rdz, stat_ok, PTX)
+    _finish(dx_ptr, offs_a, offs_b, row_ok, b_ok, xa, xb, dxa, dxb, dr, r, D, HAS_B)
+    if LOW:
+        _carry_out(carry_ptr, carry_dr_ptr, offs_a, offs_b, stat, row_ok, b_ok, stat_ok, dya, dyb, dry, HAS_B)
 
 
-@triton.jit(do_not_specialize=["N", "S"])
+@triton.jit(do_not_specialize=["N", "S", "dzr_head", "low_head"])
 def _column_bwd_prefetch_kernel(
     x_ptr, rms_ptr, g_ptr, lse_ptr, delta_ptr, qg_ptr, dx_ptr, dzr_ptr,
-    N, S,
+    y_ptr, ry_ptr, dzr_low_ptr, carry_ptr, carry_dr_ptr,
+    N, S, dzr_head, low_head,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, PAIR: tl.constexpr, PTX: tl.constexpr,
+    LOW: tl.constexpr, CARRY: tl.constexpr,
 ):
-    # One token (two with PAIR) per program, its row in registers [1, H, .], streaming over the S sites:
-    # per site one output-gradient row from memory and the site's query row from cache, both loaded one
-    # site ahead into registers. The query rows are most of the cache traffic (fp32, twice a bf16 row);
-    # with PAIR the program's two tokens share each one (two tensors of one layout, so that a thread holds
-    # the same channels of both and loads them once), at twice the registers.
+    # One token (two with PAIR) per program, its row in registers [1, H, .] (with LOW, one token, and its
+    # row of the low slot y beside it), streaming over the S sites: per site one output-gradient row from
+    # memory and the site's query row from cache, both loaded one site ahead into registers. The query
+    # rows are most of the cache traffic (fp32, twice a bf16 row); with PAIR the program's two tokens share
+    # each one (two tensors of one layout, so that a thread holds the same channels of both and loads them
+    # once), at twice the registers; with LOW the two slots share it and the output-gradient row too.
+    tl.static_assert(not (PAIR and LOW), "two slots a pass take one token a program")
     n0 = tl.program_id(0).to(tl.int64) * (2 if PAIR else 1) + tl.arange(0, 1)  # [1]
     n1 = n0 + 1
     hh, ja, jb, col_a, col_b, b_ok = _head_columns(H, DH, DA, DB, BLOCK_DB)
@@ -155,21 +215,37 @@ def _column_bwd_prefetch_kernel(
     offs0_b = n0[:, None, None] * D + col_b
     offs1_a = offs0_a + D
     offs1_b = offs0_b + D
+    ok0 = (n0 < N)[:, None, None]
     x0a, x0b = _token_rows(x_ptr, n0, N, offs0_a, offs0_b, b_ok, HAS_B)
     x0a, x0b = x0a.to(tl.float32), x0b.to(tl.float32)
     r0 = tl.load(rms_ptr + n0, mask=n0 < N, other=0.0)[:, None]  # [1, 1]
+    stat0 = n0[:, None] * H + hh[None, :]  # [1, H]: offsets in the (sites, N, H) statistics
     dx0a = tl.zeros([1, H, DA], tl.float32)
     dx0b = tl.zeros([1, H, BLOCK_DB], tl.float32)
     dr0 = tl.zeros([1, H], tl.float32)
-    stat0 = n0[:, None] * H + hh[None, :]  # [1, H]: offsets in the (sites, N, H) statistics
+    if CARRY:
+        dx0a, dx0b, dr0 = _carried(carry_ptr, carry_dr_ptr, offs0_a, offs0_b, stat0, ok0, b_ok, n0[:, None] < N,
+                                   dx0b, HAS_B)
     if PAIR:
+        ok1 = (n1 < N)[:, None, None]
         x1a, x1b = _token_rows(x_ptr, n1, N, offs1_a, offs1_b, b_ok, HAS_B)
         x1a, x1b = x1a.to(tl.float32), x1b.to(tl.float32)
         r1 = tl.load(rms_ptr + n1, mask=n1 < N, other=0.0)[:, None]
+        stat1 = stat0 + H
         dx1a = tl.zeros([1, H, DA], tl.float32)
         dx1b = tl.zeros([1, H, BLOCK_DB], tl.float32)
         dr1 = tl.zeros([1, H], tl.float32)
-        stat1 = stat0 + H
+        if CARRY:
+            dx1a, dx1b, dr1 = _carried(carry_ptr, carry_dr_ptr, offs1_a, offs1_b, stat1, ok1, b_ok,
+                                       n1[:, None] < N, dx1b, HAS_B)
+    if LOW:
+        y0a, y0b = _token_rows(y_ptr, n0, N, offs0_a, offs0_b, b_ok, HAS_B)
+        y0a, y0b = y0a.to(tl.float32), y0b.to(tl.float32)
+        ry0 = tl.load(ry_ptr + n0, mask=n0 < N, other=0.0)[:, None]
+        dy0a = tl.zeros([1, H, DA], tl.float32)
+        dy0b = tl.zeros([1, H, BLOCK_DB], tl.float32)
+        dry0 = tl.zeros([1, H], tl.float32)
+        dzr_low = dzr_low_ptr + hh.to(tl.int64)[None, :] * low_head + n0[:, None]  # [1, H]
 
     # Loads one site ahead (see mhar_triton: loads that feed no dot are not pipelined by the compiler
     # unless asked, and the shared-memory pipeline measured slower here); the limit is a tensor mask.
@@ -188,7 +264,7 @@ def _column_bwd_prefetch_kernel(
     if PAIR:
         next_lse1 = tl.load(lse_ptr + stat1, mask=n1[:, None] < first * N, other=float("inf"))
         next_delta1 = tl.load(delta_ptr + stat1, mask=n1[:, None] < first * N, other=0.0)
-    dzr = dzr_ptr + hh.to(tl.int64)[None, :] * S * N + n0[:, None]  # [1, H]
+    dzr = dzr_ptr + hh.to(tl.int64)[None, :] * dzr_head + n0[:, None]  # [1, H]
     for s in range(S):
         more = tl.where(s + 1 < S, 1, 0)
         qa, qb = next_qa, next_qb
@@ -211,21 +287,20 @@ def _column_bwd_prefetch_kernel(
             rdz1, dx1a, dx1b, dr1 = _column_site(x1a, x1b, g1a, g1b, qa, qb, r1, lse1, delta1, dx1a, dx1b, dr1,
                                                  HAS_B, PTX)
             ptx.store_f32(dzr + s * N + 1, rdz1, n1[:, None] < N, PTX)
+        if LOW:
+            rdz0, dy0a, dy0b, dry0 = _column_site(y0a, y0b, g0a, g0b, qa, qb, ry0, lse0, delta0, dy0a, dy0b, dry0,
+                                                  HAS_B, PTX)
+            ptx.store_f32(dzr_low + s * N, rdz0, n0[:, None] < N, PTX)
         g += N * D
         stat0 += N * H
         if PAIR:
             stat1 += N * H
-    w0 = (tl.sum(dr0, axis=1)[:, None] * (r0 * r0 * r0 / D))[:, :, None]  # [1, 1, 1]
-    ok0 = (n0 < N)[:, None, None]
-    tl.store(dx_ptr + offs0_a, (dx0a - w0 * x0a).to(dx_ptr.dtype.element_ty), mask=ok0)
-    if HAS_B:
-        tl.store(dx_ptr + offs0_b, (dx0b - w0 * x0b).to(dx_ptr.dtype.element_ty), mask=ok0 & b_ok)
+    _finish(dx_ptr, offs0_a, offs0_b, ok0, b_ok, x0a, x0b, dx0a, dx0b, dr0, r0, D, HAS_B)
     if PAIR:
-        w1 = (tl.sum(dr1, axis=1)[:, None] * (r1 * r1 * r1 / D))[:, :, None]
-        ok1 = (n1 < N)[:, None, None]
-        tl.store(dx_ptr + offs1_a, (dx1a - w1 * x1a).to(dx_ptr.dtype.element_ty), mask=ok1)
-        if HAS_B:
-            tl.store(dx_ptr + offs1_b, (dx1b - w1 * x1b).to(dx_ptr.dtype.element_ty), mask=ok1 & b_ok)
+        _finish(dx_ptr, offs1_a, offs1_b, ok1, b_ok, x1a, x1b, dx1a, dx1b, dr1, r1, D, HAS_B)
+    if LOW:
+        _carry_out(carry_ptr, carry_dr_ptr, offs0_a, offs0_b, n0[:, None] * H + hh[None, :], ok0, b_ok,
+                   n0[:, None] < N, dy0a, dy0b, dry0, HAS_B)
 
 
 @triton.jit(do_not_specialize=["N", "n_sites", "n_slots", "K", "chunk"])
@@ -301,6 +376,15 @@ def _dqg_kernel(
 COLUMN_CONFIGS = {512: (1, 2, 0), 1024: (1, 4, 0), 1280: (2, 2, 3)}
 COLUMN_CONFIG: tuple[int, int, int] | None = None
 COLUMN_MAXNREG = 0
+# The same for a pass over two slots (``slot_passes``), whose program holds both slots' rows and sums; None:
+# one slot a pass at that width. Measured on the H200 (a step's passes, docs/benchmarks.md): d = 512 1.91 ms
+# against 2.26 one slot a pass, d = 1024 5.97 against 7.88; at d = 1280 the one-slot passes' two-token
+# tiles (17.6 ms, 83 % of copy) are as fast as the best two-slot pass (one token, 17.6 ms at 195
+# registers). TWO_SLOT_CONFIG overrides the table (and pairs at every width); TWO_SLOTS = False
+# (benchmarks) takes one slot a pass everywhere.
+TWO_SLOT_CONFIGS: dict[int, tuple[int, int, int] | None] = {512: (1, 2, 0), 1024: (1, 4, 0), 1280: None}
+TWO_SLOT_CONFIG: tuple[int, int, int] | None = None
+TWO_SLOTS = True
 # The query gradients' product: sites a block at most (the sites padded to a power of two, at least 16),
 # tokens a block, warps, stages, and programs an SM (the tokens are split in as many chunks as that
 # takes, each chunk's sums a row of the partial sums). Measured on the H200 (one launch for a step's
@@ -309,10 +393,43 @@ COLUMN_MAXNREG = 0
 QUERY_GRAD_CONFIG = (64, 32, 4, 3, 8)
 
 
-def column_config(d: int) -> tuple[int, int, int]:
-    if COLUMN_CONFIG is not None:
-        return COLUMN_CONFIG
-    return COLUMN_CONFIGS[min(COLUMN_CONFIGS, key=lambda w: (abs(w - d), w))]
+def _nearest(table: dict, d: int):
+    return table[min(table, key=lambda w: (abs(w - d), w))]
+
+
+def pairs_slots(d: int) -> bool:
+    """Whether the backward by source takes two slots a pass at width ``d`` (``slot_passes``)."""
+    return TWO_SLOTS and (TWO_SLOT_CONFIG is not None or _nearest(TWO_SLOT_CONFIGS, d) is not None)
+
+
+def column_config(d: int, two_slots: bool = False) -> tuple[int, int, int]:
+    """(tokens a program, warps, stages) of the column kernel at width ``d``, for one slot a pass or two."""
+    override, table = (TWO_SLOT_CONFIG, TWO_SLOT_CONFIGS) if two_slots else (COLUMN_CONFIG, COLUMN_CONFIGS)
+    config = override if override is not None else _nearest(table, d)
+    if config is None:
+        raise ValueError(f"no two-slot column config at d = {d}: the table takes one slot a pass there")
+    if two_slots and config[0] > 1 and config[2] == 0:
+        raise ValueError(f"column config {config}: a pass over two slots takes one token a program unless "
+                         "pipelined (stages > 0)")
+    return config
+
+
+class Carry(NamedTuple):
+    """A slot's sums over some of the sites that read it, before the part through its RMS statistic: what
+    the pass over the slot above leaves for the slot's own pass. ``acc`` (N, d) and ``dr`` (N, H) fp32."""
+
+    acc: Tensor
+    dr: Tensor
+
+
+class Low(NamedTuple):
+    """The second slot of a two-slot pass: its rows ``x`` (N, d) and RMS statistic ``rms`` (N,), where its
+    ``dz * r`` for the pass's sites go (``dzr``, an (H, S, N) view), and its ``carry`` out."""
+
+    x: Tensor
+    rms: Tensor
+    dzr: Tensor
+    carry: Carry
 
 
 def column_backward(x: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta: Tensor, qg: Tensor,
@@ -331,17 +448,33 @@ def column_backward(x: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta
     return dx, query_grads(dzr, x.unsqueeze(0), num_heads, S, 1)
 
 
+def _head_stride(dzr: Tensor, S: int, N: int) -> int:
+    """The head stride of an (H, S, N) view of ``dz * r`` whose sites and tokens are contiguous."""
+    if dzr.dtype != torch.float32 or dzr.shape[1:] != (S, N) or (S > 1 and dzr.stride(1) != N) or dzr.stride(2) != 1:
+        raise ValueError(f"dz * r must be an fp32 (H, {S}, {N}) view with contiguous sites and tokens, got "
+                         f"{tuple(dzr.shape)} strides {dzr.stride()}")
+    return dzr.stride(0)
+
+
 def slot_grad(x: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta: Tensor, qg: Tensor,
-              num_heads: int, dzr: Tensor | None = None) -> tuple[Tensor, Tensor]:
+              num_heads: int, dzr: Tensor | None = None, *, carry: Carry | None = None,
+              low: Low | None = None) -> tuple[Tensor, Tensor]:
     """``column_backward``'s first kernel, for N, S > 0: the slot's gradient and ``dz * r`` (H, S, N) fp32,
-    written to ``dzr`` if given (contiguous)."""
+    written to ``dzr`` if given (a view whose heads may be strided: rows of a slot's block in the step's
+    buffer). With ``carry``, the slot's sums over its other sites are added first. With ``low``, the same
+    sites' share of a second slot is summed in the same pass (each site's output gradient and query row
+    read once for both) and left in ``low.carry``."""
     N, d = x.shape
     S = grad_out.shape[0]
     dx = torch.empty_like(x)
     if dzr is None:
         dzr = torch.empty((num_heads, S, N), dtype=torch.float32, device=x.device)
-    block_n, warps, stages = column_config(d)
-    meta = {**head_meta(d, num_heads, has_b=True), "BLOCK_N": block_n, "PTX": ptx.use_ptx(x.device)}
+    if carry is not None and low is not None:
+        raise ValueError("a two-slot pass starts from no carry")
+    head = _head_stride(dzr, S, N)
+    block_n, warps, stages = column_config(d, two_slots=low is not None)
+    meta = {**head_meta(d, num_heads, has_b=True), "BLOCK_N": block_n, "PTX": ptx.use_ptx(x.device),
+            "LOW": low is not None, "CARRY": carry is not None}
     if x.device.type != "cpu":
         meta["num_warps"] = warps
     if x.device.type != "cpu" and COLUMN_MAXNREG:
@@ -351,8 +484,62 @@ def slot_grad(x: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta: Tens
     else:  # the prefetching kernel: one or two tokens a program
         kernel, meta["PAIR"] = _column_bwd_prefetch_kernel, block_n == 2
         del meta["BLOCK_N"]
-    launch(kernel, (triton.cdiv(N, block_n),), (x, rms, grad_out, lse, delta, qg, dx, dzr, N, S), meta, x.device)
+    y, ry, dzr_low, out = (low.x, low.rms, low.dzr, low.carry) if low is not None else (x, rms, dzr, carry)
+    low_head = _head_stride(dzr_low, S, N) if low is not None else 0
+    acc, dr = out if out is not None else (dx, rms)  # (unused pointers without LOW or CARRY)
+    launch(kernel, (triton.cdiv(N, block_n),),
+           (x, rms, grad_out, lse, delta, qg, dx, dzr, y, ry, dzr_low, acc, dr, N, S, head, low_head), meta,
+           x.device)
     return dx, dzr
+
+
+@dataclass(frozen=True)
+class SlotPass:
+    """One pass of a step's backward by source: slot ``slot``'s gradient from the sites ``sites``. With
+    ``low``, the pass also sums those sites' share of slot - 1 (which they read too) into a carry; with
+    ``carried``, the slot's share from its other sites comes from such a carry."""
+
+    slot: int
+    sites: range
+    low: bool = False
+    carried: bool = False
+
+
+def slot_passes(n_slots: int, n_sites: int, block: int, two_slots: bool) -> list[SlotPass]:
+    """The passes of a step's backward by source, in the order autograd reaches the slots (the last
+    first), when slot j is read by sites ``block * j`` .. ``n_sites - 1``. With ``two_slots`` (take
+    ``pairs_slots(d)``) every odd slot's pass takes the even slot below it: the sites that read both are
+    read once for the two, and the lower slot's own pass reads only the ``block`` sites that read it alone
+    (whose output gradients are not known yet when the pass above runs). This reads the output gradients
+    about half as often as one pass a slot."""
+    passes = []
+    for j in reversed(range(n_slots)):
+        first = block * j
+        if two_slots and j % 2 == 0 and j + 1 < n_slots:
+            passes.append(SlotPass(j, range(first, first + block), carried=True))
+        else:
+            passes.append(SlotPass(j, range(first, n_sites), low=two_slots and j % 2 == 1))
+    return passes
+
+
+def run_pass(p: SlotPass, sources: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta: Tensor,
+             qg: Tensor, num_heads: int, block: int, dzr_of: Callable[[int], Tensor], carry: Carry,
+             carried: bool = True) -> Tensor:
+    """Pass ``p`` of a step's backward (``slot_passes``) over the step's tensors: ``sources`` (slots, N, d)
+    and ``rms`` (slots, N) as written in the forward; every site's ``grad_out`` (sites, N, d), ``lse`` and
+    ``delta`` (sites, N, H), ``qg`` (sites, d); ``dzr_of(j)`` slot j's (H, S_j, N) block of the step's
+    ``dz * r``; ``carry``, where a two-slot pass leaves the lower slot's sums and a carried pass finds them
+    (``carried`` False: the pass above did not run, so the slot takes every site that reads it). Returns
+    the slot's gradient (N, d)."""
+    j, n_sites = p.slot, grad_out.shape[0]
+    sites, dzr, low, start = slice(block * j, n_sites), dzr_of(j), None, None
+    if p.carried and carried:
+        sites, dzr, start = slice(p.sites.start, p.sites.stop), dzr[:, :len(p.sites)], carry
+    elif p.low:
+        low = Low(sources[j - 1], rms[j - 1], dzr_of(j - 1)[:, block:], carry)
+    grad, _ = slot_grad(sources[j], rms[j], grad_out[sites], lse[sites], delta[sites], qg[sites], num_heads,
+                        dzr=dzr, carry=start, low=low)
+    return grad
 
 
 def dzr_rows(slots: int, n_sites: int, block: int) -> int:

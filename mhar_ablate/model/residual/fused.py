@@ -19,8 +19,9 @@ for backward). Here, per forward pass:
 - backward recomputes everything from the buffer, by source rather than by site: each site's backward
   keeps its output gradient (in a buffer of the same shape) and its ``delta``; a slot's writer, whose
   backward autograd runs once every site that reads the slot has run its own, computes the slot's whole
-  gradient in one pass over those sites (``kernels.column``). A block's partial sum, which is no slot,
-  gets its gradient from the site that reads it, at once.
+  gradient in one pass over those sites (``kernels.column``); an odd slot's pass also sums the share of
+  the slot below it from the same sites, so that slot's own pass reads only the sites that read it alone.
+  A block's partial sum, which is no slot, gets its gradient from the site that reads it, at once.
 - the routing parameters' gradients are summed into one (sites, d) buffer and handed to autograd once, by
   the writer of slot 0, whose backward runs last; the slots' share of them is one matrix product over
   every slot's kept ``dz * r`` there (``kernels.column.query_grads``).
@@ -174,6 +175,7 @@ class FusedState:
         (seen on the CPU). Its buffers (the sources, the sites' output gradients, dz * r: about 2 GB at
         ``paper350m``) would then still be allocated during the next steps."""
         self.buffer = self.rms = self.grad_out = self.delta = self.dzr = self.dqg = self.lse = self.qg = None
+        self.carry = None
         self.released = True
 
     def _refuse_released(self) -> None:
@@ -250,6 +252,14 @@ class FusedState:
             rows = dzr_rows(self.buffer.shape[0], n, self.res.block_sublayers)
             self.dzr = torch.empty(rows * self.res.num_heads * self.N, dtype=torch.float32, device=dev)
             self.dzr_written = [False] * self.buffer.shape[0]
+            # The backward's passes by slot, and the carry a two-slot pass leaves for the slot below it.
+            from ...kernels.column import Carry, pairs_slots, slot_passes
+
+            passes = slot_passes(self.buffer.shape[0], n, self.res.block_sublayers, pairs_slots(self.d))
+            self.passes = {p.slot: p for p in passes}
+            self.carry = Carry(torch.empty((self.N, self.d), dtype=torch.float32, device=dev),
+                               torch.empty((self.N, self.res.num_heads), dtype=torch.float32, device=dev))
+            self.carried: int | None = None  # the slot whose carry is in ``carry``
 
     def _dzr_of(self, slot: int) -> Tensor:
         """Slot ``slot``'s (H, S, N) block of ``dzr``: dz * r of the S sites that read it."""
@@ -281,21 +291,24 @@ class FusedState:
         return grad_extras.view(self.shape).to(partial.dtype)
 
     def slot_grad(self, slot: int) -> Tensor:
-        """The slot's gradient (N, d), from every site that reads it: sites [first, n_sites)."""
-        from ...kernels.column import slot_grad
+        """The slot's gradient (N, d), from every site that reads it: sites [first, n_sites), in the pass
+        ``kernels.column.slot_passes`` plans for it (with the slot below, or finishing a carry)."""
+        from ...kernels.column import run_pass
 
         self._refuse_released()
         if self.grad_out is None:  # no site's output reached the loss
             return torch.zeros((self.N, self.d), dtype=self.dtype, device=self.buffer.device)
-        first = slot * self.res.block_sublayers
+        K = self.res.block_sublayers
+        first = slot * K
         for s in range(first, self.clean_from):
             if not self.ran[s]:  # its output did not reach the loss: it contributes nothing
                 self.grad_out[s].zero_()
                 self.delta[s].zero_()
         self.clean_from = min(self.clean_from, first)
-        sites = slice(first, self.res.n_sites)
-        grad, _ = slot_grad(self.buffer[slot], self.rms[slot], self.grad_out[sites], self.lse[sites],
-                            self.delta[sites], self.qg[sites], self.res.num_heads, dzr=self._dzr_of(slot))
+        plan = self.passes[slot]
+        grad = run_pass(plan, self.buffer, self.rms, self.grad_out, self.lse, self.delta, self.qg, self.res.num_heads,
+                        K, self._dzr_of, self.carry, carried=self.carried == slot)
+        self.carried = slot - 1 if plan.low else None
         self.dzr_written[slot] = True
         return grad
 
