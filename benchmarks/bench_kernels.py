@@ -12,7 +12,8 @@ them, for example those of a commit REV:
 (carry ``.gpu-prev`` to the device machine).
 
     PYTHONPATH=$PWD python3 benchmarks/bench_kernels.py --presets paper350m,paper1b --out $OUT \\
-        --column-configs '1,4,2;1,4,4' --two-slot-configs '1,2,0;1,2,3' --one-slot --history-configs '4:1,1,6,2;4:2,1,3,2' --row-warps '2;8'
+        --column-configs '1,4,2;1,4,4' --two-slot-configs '1,2,0;1,2,3' --one-slot \\
+        --history-configs '4:1,1,6,2;4:2,1,3,2' --row-warps '2;8'
 
 Bytes per call (e = bytes of an element of the buffer, U = N·d·e one source):
 - write_slot: read the source and write the slot, 2 U, and the RMS (N fp32).

@@ -38,7 +38,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 POINTERS = {  # argument: element type; the rest of the arguments are i32 or constexpr
     "x_ptr": "bf16", "rms_ptr": "fp32", "g_ptr": "bf16", "lse_ptr": "fp32", "delta_ptr": "fp32", "qg_ptr": "fp32",
     "dx_ptr": "bf16", "dzr_ptr": "fp32", "y_ptr": "bf16", "ry_ptr": "fp32", "dzr_low_ptr": "fp32",
-    "carry_ptr": "fp32", "carry_dr_ptr": "fp32", "src_ptr": "bf16", "out0_ptr": "bf16", "rest_ptr": "bf16", "part_ptr": "fp32",
+    "carry_ptr": "fp32", "carry_dr_ptr": "fp32", "src_ptr": "bf16", "out0_ptr": "bf16", "rest_ptr": "bf16",
+    "part_ptr": "fp32",
 }
 ALIGNED = set(POINTERS) | {"stride_s"}  # 16-divisible, as the JIT sees them on a launch
 
