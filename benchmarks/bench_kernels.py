@@ -100,7 +100,6 @@ class Step:
                 self.rest[p.start] = torch.empty((max(p.size - 1, 1), N, d), dtype=dtype, device=device)
         self.merged = torch.empty((N, d), dtype=dtype, device=device)
         self.dzr = torch.randn(kernels["column"].dzr_rows(n, n, 1) * H * N, generator=gen, device=device)
-        self.dzr_rows = kernels["column"].dzr_rows
         self.copy = torch.empty((n, N, d), dtype=dtype, device=device)
         self.carry_acc = torch.empty((N, d), dtype=torch.float32, device=device)
         self.carry_dr = torch.empty((N, H), dtype=torch.float32, device=device)
@@ -110,11 +109,6 @@ class Step:
         for fn, _ in self.calls("sites_bwd", kernels):
             fn()
         sync()
-
-    def dzr_of(self, j: int) -> torch.Tensor:
-        """Slot j's (H, S_j, N) block of the step's dz * r."""
-        start, S = self.dzr_rows(j, self.n_sites, 1) * self.H * self.N, self.n_sites - j
-        return self.dzr[start:start + S * self.H * self.N].view(self.H, S, self.N)
 
     def calls(self, kind: str, kernels) -> list[tuple]:
         """(closure, bytes) for each call of ``kind`` in one step."""
@@ -186,7 +180,7 @@ class Step:
 
                 def run(p=p):
                     grad = column.run_pass(p, self.buffer, self.rms, self.copy, self.lse, self.delta, self.qg, H, 1,
-                                           self.dzr_of, carry)
+                                           self.dzr, carry)
                     return (grad,)
 
                 out.append((run, moved))

@@ -102,8 +102,8 @@ def row(kernel: str, d: int, config, warps: int, compiled, loop_bytes: float) ->
 
 
 def column_rows(d: int, heads: int, configs: list[tuple], use_ptx: bool) -> list[dict]:
-    """The column kernel at the tables' configurations and ``configs``: one slot a pass, a carried pass
-    (the lower slot's own, starting from the carry) and a pass over two slots."""
+    """The column kernel at the tables' configurations and ``configs``, one slot a pass and (where the
+    two-slot table pairs, or for ``configs``) two slots a pass."""
     out = []
     for two in (False, True):
         table = column.column_config(d, two_slots=two) if not two or column.pairs_slots(d) else None

@@ -35,7 +35,7 @@ Math as in ``history`` (per site s reading the slot x, with g_s its output gradi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import triton
@@ -46,7 +46,7 @@ from . import ptx
 from .launch import device_index, head_meta, launch, num_sms
 
 __all__ = ["column_backward", "slot_grad", "slot_passes", "pairs_slots", "SlotPass", "run_pass", "Carry", "Low",
-           "query_grads", "dzr_rows"]
+           "query_grads", "dzr_rows", "dzr_block"]
 
 
 @triton.jit
@@ -523,23 +523,31 @@ def slot_passes(n_slots: int, n_sites: int, block: int, two_slots: bool) -> list
 
 
 def run_pass(p: SlotPass, sources: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta: Tensor,
-             qg: Tensor, num_heads: int, block: int, dzr_of: Callable[[int], Tensor], carry: Carry,
-             carried: bool = True) -> Tensor:
+             qg: Tensor, num_heads: int, block: int, dzr: Tensor, carry: Carry, carried: bool = True) -> Tensor:
     """Pass ``p`` of a step's backward (``slot_passes``) over the step's tensors: ``sources`` (slots, N, d)
     and ``rms`` (slots, N) as written in the forward; every site's ``grad_out`` (sites, N, d), ``lse`` and
-    ``delta`` (sites, N, H), ``qg`` (sites, d); ``dzr_of(j)`` slot j's (H, S_j, N) block of the step's
-    ``dz * r``; ``carry``, where a two-slot pass leaves the lower slot's sums and a carried pass finds them
-    (``carried`` False: the pass above did not run, so the slot takes every site that reads it). Returns
-    the slot's gradient (N, d)."""
-    j, n_sites = p.slot, grad_out.shape[0]
-    sites, dzr, low, start = slice(block * j, n_sites), dzr_of(j), None, None
+    ``delta`` (sites, N, H), ``qg`` (sites, d); the step's flat ``dz * r`` (``dzr_block``); ``carry``, where
+    a two-slot pass leaves the lower slot's sums and a carried pass finds them (``carried`` False: the pass
+    above did not run, so the slot takes every site that reads it). Returns the slot's gradient (N, d)."""
+    j, n_sites, N = p.slot, grad_out.shape[0], sources.shape[1]
+    rows, sites, start, low = dzr_block(dzr, j, n_sites, block, num_heads, N), p.sites, None, None
     if p.carried and carried:
-        sites, dzr, start = slice(p.sites.start, p.sites.stop), dzr[:, :len(p.sites)], carry
+        rows, start = rows[:, :len(sites)], carry
+    elif p.carried:
+        sites = range(block * j, n_sites)
     elif p.low:
-        low = Low(sources[j - 1], rms[j - 1], dzr_of(j - 1)[:, block:], carry)
-    grad, _ = slot_grad(sources[j], rms[j], grad_out[sites], lse[sites], delta[sites], qg[sites], num_heads,
-                        dzr=dzr, carry=start, low=low)
+        below = dzr_block(dzr, j - 1, n_sites, block, num_heads, N)[:, block:]
+        low = Low(sources[j - 1], rms[j - 1], below, carry)
+    at = slice(sites.start, sites.stop)
+    grad, _ = slot_grad(sources[j], rms[j], grad_out[at], lse[at], delta[at], qg[at], num_heads, dzr=rows,
+                        carry=start, low=low)
     return grad
+
+
+def dzr_block(dzr: Tensor, slot: int, n_sites: int, block: int, num_heads: int, N: int) -> Tensor:
+    """Slot ``slot``'s (H, S, N) block of a step's flat ``dz * r`` (``dzr_rows``): the S sites that read it."""
+    start, S = dzr_rows(slot, n_sites, block) * num_heads * N, n_sites - block * slot
+    return dzr[start:start + S * num_heads * N].view(num_heads, S, N)
 
 
 def dzr_rows(slots: int, n_sites: int, block: int) -> int:

@@ -263,12 +263,9 @@ class FusedState:
 
     def _dzr_of(self, slot: int) -> Tensor:
         """Slot ``slot``'s (H, S, N) block of ``dzr``: dz * r of the S sites that read it."""
-        from ...kernels.column import dzr_rows
+        from ...kernels.column import dzr_block
 
-        n, H, K = self.res.n_sites, self.res.num_heads, self.res.block_sublayers
-        start = dzr_rows(slot, n, K) * H * self.N
-        S = n - slot * K
-        return self.dzr[start:start + S * H * self.N].view(H, S, self.N)
+        return dzr_block(self.dzr, slot, self.res.n_sites, self.res.block_sublayers, self.res.num_heads, self.N)
 
     def route_backward(self, site: int, grad_out: Tensor, out: Tensor, partial: Tensor | None) -> Tensor | None:
         """Keep the site's output gradient and delta for the slots' backward; return the gradient of the
@@ -307,7 +304,7 @@ class FusedState:
         self.clean_from = min(self.clean_from, first)
         plan = self.passes[slot]
         grad = run_pass(plan, self.buffer, self.rms, self.grad_out, self.lse, self.delta, self.qg, self.res.num_heads,
-                        K, self._dzr_of, self.carry, carried=self.carried == slot)
+                        K, self.dzr, self.carry, carried=self.carried == slot)
         self.carried = slot - 1 if plan.low else None
         self.dzr_written[slot] = True
         return grad
