@@ -26,6 +26,10 @@ Bytes per call (e = bytes of an element of the buffer, U = N·d·e one source):
   U; the sites' log-sum-exps and deltas read, dz·r written: 3·S·N·H·4. A two-slot pass also reads the
   lower slot U and writes its dz·r, S·N·H·4, and its carry, N·(d + H)·4, which the lower slot's own pass
   (over the sites that read it alone) reads back.
+- block_fwd, block_bwd (``block:4``'s sites that read their block's partial sum, 42 at ``paper350m``): the
+  merge reads the partial state, the sum before and the block's last output and writes the new sum and the
+  output, 5 U; the backward reads the output gradient, the output, the sum and the gradient the later sums
+  passed back and writes the output-gradient copy and the sum's gradient, 6 U (both with the statistics).
 - query_grad (one product over all slots): every slot's dz·r and every slot read, and 3·slots·sites·d·4
   for partial sums (what the per-slot sums of an earlier form moved, kept so that the figures compare
   across rounds; the chunks' sums of the present form move 0.6 to 3.4 times that, 2-4 % of the total, by arithmetic).
@@ -99,6 +103,9 @@ class Step:
                 self.first[p.start] = torch.empty((N, d), dtype=dtype, device=device)
                 self.rest[p.start] = torch.empty((max(p.size - 1, 1), N, d), dtype=dtype, device=device)
         self.merged = torch.empty((N, d), dtype=dtype, device=device)
+        self.summed = torch.empty((N, d), dtype=dtype, device=device)
+        self.grad_partial = torch.empty((1, N, d), dtype=dtype, device=device)
+        self.dqg = torch.zeros((n, d), dtype=torch.float32, device=device)
         self.dzr = torch.randn(kernels["column"].dzr_rows(n, n, 1) * H * N, generator=gen, device=device)
         self.copy = torch.empty((n, N, d), dtype=dtype, device=device)
         self.carry_acc = torch.empty((N, d), dtype=torch.float32, device=device)
@@ -153,12 +160,35 @@ class Step:
             empty = self.buffer[:0]
             for s in range(self.n_sites):
                 def prologue(s=s):  # a site's delta and the copy of its output gradient
-                    history.sites_backward(empty, empty, False, self.qg[s:s + 1], H, eps, self.grad_out[s:s + 1],
+                    history.sites_backward(empty, empty, None, self.qg[s:s + 1], H, eps, self.grad_out[s:s + 1],
                                            self.lse[s:s + 1], self.delta[s:s + 1], out=self.out[s],
                                            grad_copy=self.copy[s:s + 1])
                     return self.delta[s], self.copy[s]
 
                 out.append((prologue, 3 * U + 2 * N * H * 4))
+        elif kind in ("block_fwd", "block_bwd"):
+            # block:4's sites that read their block's partial sum (sites s with s % 8 > 0): the merge that
+            # also makes the sum (partial + the block's last output, written), and the backward that adds the
+            # gradient the later sums passed back and the query-row gradient into the step's rows
+            for s in (s for s in range(self.n_sites) if s % 8):
+                partial, addend, rows = self.source[s:s + 1], self.out[s], slice(s, s + 1)
+                if kind == "block_fwd":
+                    state = self.out[s - 1:s]
+
+                    def merge(s=s, partial=partial, addend=addend, rows=rows, state=state):
+                        history.sites_forward(partial, self.qg[rows], H, eps, self.merged, None, self.lse[rows],
+                                              init=state, addend=addend, sum_out=self.summed)
+                        return self.merged, self.summed
+
+                    out.append((merge, 5 * U + 2 * N * H * 4))
+                else:
+                    def block_bwd(s=s, partial=partial, rows=rows):
+                        history.sites_backward(partial, self.grad_partial, self.out[s - 1:s], self.qg[rows], H, eps,
+                                               self.grad_out[rows], self.lse[rows], self.delta[rows],
+                                               out=self.out[s], grad_copy=self.copy[rows], dqg=self.dqg[rows])
+                        return self.grad_partial, self.delta[s], self.copy[s]
+
+                    out.append((block_bwd, 6 * U + 2 * N * H * 4))
         elif kind == "column":
             stats = 3 * N * H * 4  # per site: its log-sum-exps and deltas read, dz * r written
             if not hasattr(column, "slot_passes"):  # an earlier column module: one pass a slot
@@ -193,7 +223,7 @@ class Step:
         return out
 
 
-KINDS = ("write_slot", "history_fwd", "sites_fwd", "sites_bwd", "column", "query_grad")
+KINDS = ("write_slot", "history_fwd", "sites_fwd", "sites_bwd", "column", "query_grad", "block_fwd", "block_bwd")
 
 
 def time_calls(calls, device, reps: int = 10) -> float:
@@ -249,8 +279,10 @@ def main() -> int:
                    help="'SITES,TOKENS,WARPS,STAGES,PER_SM;...' for query_grad")
     p.add_argument("--write-configs", default="", help="'TOKENS,WARPS;...' for write_slot")
     p.add_argument("--row-warps", default="", help="'W;...': warps of the row kernels (sites_fwd, sites_bwd)")
+    p.add_argument("--row-maxnreg", default="", help="'R;...': a cap on the row kernels' registers a thread")
     p.add_argument("--profile", action="store_true", help="no timing: run one call of the column, the head-tiled "
-                   "forward and query_grad per version, inside an NVTX range 'profile' (for ncu --nvtx-include)")
+                   "forward, query_grad, block_bwd and sites_bwd per version, inside an NVTX range 'profile' (for "
+                   "ncu --nvtx-include)")
     p.add_argument("--prev", default="", help="folder holding a package prev_kernels (earlier kernels) to time too")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_kernels_out"))
     args = p.parse_args()
@@ -293,11 +325,13 @@ def main() -> int:
                 record(kind, "default", current)
         reference = {k: outputs(step.calls(k, current))
                      for k in ("write_slot", "history_fwd", "sites_bwd", "column", "query_grad")}
-        reference["sites_fwd"] = None  # its merges move their log-sum-exps in place: nothing fixed to compare
+        # the merges move their log-sum-exps in place: nothing fixed to compare
+        reference["sites_fwd"] = reference["block_fwd"] = None
+        reference["block_bwd"] = outputs(step.calls("block_bwd", current))
         # The column kernels first: the head-tiled forward rewrites the log-sum-exps that they read.
         saved = (column.COLUMN_CONFIG, column.QUERY_GRAD_CONFIG, column.COLUMN_MAXNREG,
                  {k: dict(v) for k, v in history.HISTORY_CONFIG.items()}, history.WRITE_SLOT_CONFIG,
-                 history.ROW_WARPS, column.TWO_SLOT_CONFIG, column.TWO_SLOTS)
+                 history.ROW_WARPS, column.TWO_SLOT_CONFIG, column.TWO_SLOTS, history.ROW_MAXNREG)
         variants = [("column", "prev", prev, None)] if prev is not None else []
         variants += [("column", f"col {c}", current, ("col", c)) for c in parse_configs(args.column_configs, False)]
         variants += [("column", f"two-slot {c}", current, ("two", c))
@@ -307,8 +341,11 @@ def main() -> int:
         variants += [("query_grad", f"qg {c}", current, ("qg", c)) for c in parse_configs(args.query_configs, False)]
         variants += [("write_slot", f"write {c}", current, ("write", c))
                      for c in parse_configs(args.write_configs, False)]
-        variants += [(kind, f"rows {w[0]} warps", current, ("rows", w[0]))
-                     for w in parse_configs(args.row_warps, False) for kind in ("sites_fwd", "sites_bwd")]
+        # (the backward kernels first: the merges move the log-sum-exps that they read)
+        rows_settings = [(f"rows {w[0]} warps", ("rows", w[0])) for w in parse_configs(args.row_warps, False)]
+        rows_settings += [(f"rows maxnreg {r[0]}", ("maxnreg", r[0])) for r in parse_configs(args.row_maxnreg, False)]
+        variants += [(kind, label, current, setting) for kind in ("sites_bwd", "block_bwd", "sites_fwd", "block_fwd")
+                     for label, setting in rows_settings]
         if prev is not None:
             variants.append(("history_fwd", "prev", prev, None))
         variants += [("history_fwd", f"fwd G{g} {c}", current, (g, c))
@@ -330,20 +367,25 @@ def main() -> int:
                 history.WRITE_SLOT_CONFIG = cfg
             elif what == "rows":
                 history.ROW_WARPS = cfg
+            elif what == "maxnreg":
+                history.ROW_MAXNREG = cfg
             else:  # the preset's head split decides which table is read
                 history.HISTORY_CONFIG["fwd"][what] = history.HISTORY_CONFIG["fwd_split"][what] = cfg
 
         def restore():
             column.COLUMN_CONFIG, column.QUERY_GRAD_CONFIG, column.COLUMN_MAXNREG = saved[:3]
             history.HISTORY_CONFIG = {k: dict(v) for k, v in saved[3].items()}
-            history.WRITE_SLOT_CONFIG, history.ROW_WARPS, column.TWO_SLOT_CONFIG, column.TWO_SLOTS = saved[4:]
+            (history.WRITE_SLOT_CONFIG, history.ROW_WARPS, column.TWO_SLOT_CONFIG, column.TWO_SLOTS,
+             history.ROW_MAXNREG) = saved[4:]
 
         if args.profile:
             import torch.cuda.nvtx as nvtx
 
             for kind, label, kernels, setting in [("column", "default", current, None),
                                                   ("history_fwd", "default", current, None),
-                                                  ("query_grad", "default", current, None)] + variants:
+                                                  ("query_grad", "default", current, None),
+                                                  ("block_bwd", "default", current, None),
+                                                  ("sites_bwd", "default", current, None)] + variants:
                 apply(setting)
                 calls = step.calls(kind, kernels)
                 fn = calls[0][0] if kind != "history_fwd" else calls[-1][0]

@@ -169,3 +169,68 @@ def test_write_slot_stores_the_row_and_its_rms():
     history.write_slot(x, slot, rms, EPS)
     torch.testing.assert_close(slot, x)
     torch.testing.assert_close(rms, _rms(x))
+
+
+def test_write_slot_adds_a_blocks_last_output():
+    """A block's slot is its partial sum plus its last output, added in the pass that writes the slot."""
+    gen = torch.Generator().manual_seed(4)
+    x, y = torch.randn(2, 9, 40, generator=gen)
+    slot, rms = torch.full((9, 40), float("nan")), torch.full((9,), float("nan"))
+    history.write_slot(x, slot, rms, EPS, addend=y)
+    torch.testing.assert_close(slot, x + y, rtol=0, atol=0)
+    torch.testing.assert_close(rms, _rms(x + y))
+
+
+@pytest.mark.parametrize("d,H", [(48, 4), (32, 2)])  # head width 12 = 8 + 4, and a power of two
+def test_a_site_routes_the_sum_it_makes_and_writes_it(d, H):
+    """A site reading a block's partial sum and the block's last output routes their sum (made in its own
+    pass, written for the sites after it) exactly as if the sum had been made first."""
+    N = 5
+    src, qg, _ = _inputs(3, N, d, 1, seed=d)
+    state = torch.randn(1, N, d, generator=torch.Generator().manual_seed(1))
+    lse0 = torch.randn(1, N, H)
+    want, want_lse = torch.empty(N, d), lse0.clone()
+    history.sites_forward((src[0] + src[1]).unsqueeze(0), qg, H, EPS, want, None, want_lse, init=state)
+    got, got_lse, summed = torch.empty(N, d), lse0.clone(), torch.full((N, d), float("nan"))
+    history.sites_forward(src[:1], qg, H, EPS, got, None, got_lse, init=state, addend=src[1], sum_out=summed)
+    torch.testing.assert_close(summed, src[0] + src[1], rtol=0, atol=0)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_lse, want_lse)
+    with pytest.raises(ValueError, match="one source"):
+        history.sites_forward(src[:2], qg, H, EPS, got, None, got_lse, addend=src[1], sum_out=summed)
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["base", "in-place"])
+def test_sites_backward_adds_a_base_and_sums_the_query_gradients(in_place):
+    """The partial sum's gradient is this site's share plus the one the later sums passed back (a separate
+    tensor, or the output itself); the site's query-row gradient is added into the step's row."""
+    N, d, H = 7, 48, 4
+    src, qg, grad_out = _inputs(1, N, d, 1, seed=9)
+    out = torch.randn(N, d, generator=torch.Generator().manual_seed(2))
+    lse = torch.randn(1, N, H)
+    plain, delta = torch.empty(1, N, d), torch.empty(1, N, H)
+    parts = history.sites_backward(src, plain, None, qg, H, EPS, grad_out, lse, delta, out=out)
+    base = torch.randn(1, N, d, generator=torch.Generator().manual_seed(3))
+    got = base.clone() if in_place else torch.full((1, N, d), float("nan"))
+    dqg = torch.randn(1, d, generator=torch.Generator().manual_seed(4))
+    start = dqg.clone()
+    assert history.sites_backward(src, got, got if in_place else base, qg, H, EPS, grad_out, lse, delta.clone(),
+                                  out=out, dqg=dqg) is None
+    torch.testing.assert_close(got, plain + base)
+    torch.testing.assert_close(dqg, start + parts.sum(0)[:1])
+
+
+@pytest.mark.parametrize("P,G,d", [(1, 1, 5), (9, 2, 40), (13, 3, 16)])
+def test_add_row_sums_adds_every_program_row(P, G, d):
+    """Row counts and widths that are not a multiple of the tile; the output rows strided (a slice of the
+    step's (sites, d) rows)."""
+    gen = torch.Generator().manual_seed(P * d)
+    parts = torch.randn(P, G + 1, d, generator=gen)[:, :G]
+    rows = torch.randn(2 * G, d, generator=gen)
+    out, between = rows[::2], rows[1::2].clone()
+    want = out + parts.sum(0)
+    history.add_row_sums(parts, out)
+    torch.testing.assert_close(out, want)
+    assert torch.equal(rows[1::2], between)  # the rows between are not touched
+    with pytest.raises(ValueError, match="add_row_sums"):
+        history.add_row_sums(parts.double(), out)

@@ -313,10 +313,12 @@ def test_sites_forward_and_its_merge_match_float64(dtype, S, E, N, d, H, G):
 
 @dtypes
 @pytest.mark.parametrize("S,N,d,H", [(3, 37, 1280, 8), (1, 5, 48, 4), (0, 9, 1024, 8)], ids=lambda v: str(v))
-@pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
+@pytest.mark.parametrize("accumulate", ["write", "in-place", "base"])
 def test_sites_backward_matches_float64(dtype, S, N, d, H, accumulate):
     """One site over S sources (the per-site mode, or a block's partial sum): the sources' gradients
-    written or added, its delta from its output, its output gradient copied, its query-row gradient."""
+    written, or added to a base (the gradient a block's later sums passed back: in place, or another
+    tensor), its delta from its output, its output gradient copied, its query-row gradient (returned as
+    partial sums, and added into a row)."""
     from mhar_ablate.kernels import history
 
     src, qg, grad_out = site_inputs(max(S, 1), N, d, 1, dtype, seed=S + N + d)
@@ -331,17 +333,23 @@ def test_sites_backward_matches_float64(dtype, S, N, d, H, accumulate):
         lse64 = torch.zeros(N, H, device=DEVICE)
     out = out64.detach().to(dtype)
     prev = randn(torch.Generator(device=DEVICE).manual_seed(2), S, N, d).to(dtype)
-    grad_src = prev.clone() if accumulate else nan_like((S, N, d), dtype)
+    grad_src = prev.clone() if accumulate == "in-place" else nan_like((S, N, d), dtype)
+    base = {"write": None, "in-place": grad_src, "base": prev}[accumulate]
     delta, copy = nan_like((1, N, H), torch.float32), nan_like((1, N, d), dtype)
-    parts = history.sites_backward(src, grad_src, accumulate, qg, H, EPS, grad_out,
-                                   lse64.detach().float().unsqueeze(0).contiguous(), delta, out=out, grad_copy=copy)
+    lse = lse64.detach().float().unsqueeze(0).contiguous()
+    if S:  # the query-row gradient added into a row, as the fused path takes it
+        row = torch.zeros(1, d, device=DEVICE)  # (that it adds: tests/test_history_kernels.py)
+        history.sites_backward(src, torch.empty_like(src), None, qg, H, EPS, grad_out, lse, delta.clone(),
+                               out=out, dqg=row)
+        assert_qg_grad(row, dqg64, src, grad_out, dtype)
+    parts = history.sites_backward(src, grad_src, base, qg, H, EPS, grad_out, lse, delta, out=out, grad_copy=copy)
     assert torch.equal(copy, grad_out)
     delta_truth = (grad_out[0].double() * out.double()).view(N, H, -1).sum(-1)
     assert rel_err(delta[0], delta_truth) <= LSE_TOL
     if not S:
         assert parts is None
         return
-    expected = dsrc64 + (prev.double() if accumulate else 0)
+    expected = dsrc64 + (prev.double() if base is not None else 0)
     assert rel_err(grad_src, expected) <= TOL[dtype], f"grad sources: {rel_err(grad_src, expected):.2e}"
     assert_qg_grad(parts.sum(0)[:1], dqg64, src, grad_out, dtype)
 
@@ -442,6 +450,45 @@ def test_write_slot_stores_the_row_and_the_rms_of_what_it_stored(dtype, tokens, 
         history.write_slot(x, slot, rms, EPS)
         assert torch.equal(slot, x.to(dtype))
         assert rel_err(rms, rms_of(x.to(dtype))) <= 1e-6
+        # a block's slot: its partial sum plus its last output, rounded once as torch adds them
+        a, b = x.to(dtype), randn(torch.Generator(device=DEVICE).manual_seed(4), 37, d).to(dtype)
+        history.write_slot(a, slot, rms, EPS, addend=b)
+        assert torch.equal(slot, a + b)
+        assert rel_err(rms, rms_of(a + b)) <= 1e-6
+
+
+@dtypes
+@pytest.mark.parametrize("d,H", [(1280, 8), (1024, 8), (48, 4)], ids=lambda v: str(v))
+def test_a_site_makes_the_partial_sum_it_reads(dtype, d, H):
+    """A block's partial sum made in the pass of the first site that reads it: the sum written exactly as
+    torch adds in the dtype, and the site's output and log-sum-exps as if it had read that sum."""
+    from mhar_ablate.kernels import history
+
+    N = 37
+    gen = torch.Generator(device=DEVICE).manual_seed(d)
+    a, b = (randn(gen, N, d).to(dtype) for _ in range(2))
+    state, qg = randn(gen, 1, N, d).to(dtype), randn(gen, 1, d)
+    lse0 = randn(gen, 1, N, H)
+    want, want_lse = nan_like((N, d), dtype), lse0.clone()
+    history.sites_forward((a + b).unsqueeze(0), qg, H, EPS, want, None, want_lse, init=state)
+    got, got_lse, summed = nan_like((N, d), dtype), lse0.clone(), nan_like((N, d), dtype)
+    history.sites_forward(a.unsqueeze(0), qg, H, EPS, got, None, got_lse, init=state, addend=b, sum_out=summed)
+    assert torch.equal(summed, a + b)
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+
+
+@pytest.mark.parametrize("P,G,d", [(1056, 1, 1024), (792, 1, 1280), (1000, 2, 520), (3, 1, 8)], ids=lambda v: str(v))
+def test_add_row_sums_matches_torch(P, G, d):
+    """The persistent backward's partial sums added into the step's query-gradient rows (strided)."""
+    from mhar_ablate.kernels import history
+
+    gen = torch.Generator(device=DEVICE).manual_seed(P)
+    parts = randn(gen, P, G + 1, d)[:, :G]
+    rows = randn(gen, 2 * G, d)
+    between, want = rows[1::2].clone(), rows[::2].double() + parts.double().sum(0)
+    history.add_row_sums(parts, rows[::2])
+    assert rel_err(rows[::2], want) <= 1e-6
+    assert torch.equal(rows[1::2], between)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -9,8 +9,10 @@ for backward). Here, per forward pass:
   beside it: in ``full`` grouping slot 0 is the embedding and slot j + 1 the output of sublayer j; in
   ``block:K`` grouping slot b + 1 is the sum of block b, written when the block is finished. A written
   slot is never modified again, so any site's backward can re-read it; the running partial sum of an
-  unfinished block is an ordinary autograd tensor (a new one after every sublayer), passed to the sites
-  that see it and saved by them.
+  unfinished block is an ordinary autograd tensor, saved by the sites that read it. It is summed inside the
+  routing kernels, not between them: the first site that reads the block's sum so far adds the last
+  output to the sum before it in its own pass (and writes the new sum for the sites after it), and the
+  block's last output is added in the pass that writes the block's slot.
 - sites are taken in groups of consecutive sites (``sites_per_pass``, never across a block boundary): the
   group's first site routes all of its sites over the slots complete at that point (the history) in one
   pass (``kernels.history``), and each site then merges its partial state with its own extra sources: the
@@ -21,7 +23,8 @@ for backward). Here, per forward pass:
   backward autograd runs once every site that reads the slot has run its own, computes the slot's whole
   gradient in one pass over those sites (``kernels.column``); an odd slot's pass also sums the share of
   the slot below it from the same sites, so that slot's own pass reads only the sites that read it alone.
-  A block's partial sum, which is no slot, gets its gradient from the site that reads it, at once.
+  A block's partial sum, which is no slot, gets its gradient from the site that reads it, at once, added in
+  that site's pass to the gradient the later sums passed back (so that no addition runs between kernels).
 - the routing parameters' gradients are summed into one (sites, d) buffer and handed to autograd once, by
   the writer of slot 0, whose backward runs last; the slots' share of them is one matrix product over
   every slot's kept ``dz * r`` there (``kernels.column.query_grads``).
@@ -134,7 +137,10 @@ class FusedState:
         self.qg = (residual.query.detach().float() * residual.key_weight.detach().float()).contiguous()
         self.lse = torch.empty((residual.n_sites, self.N, H), dtype=torch.float32, device=dev)
         self.group: _Group | None = None
-        self.partial: Tensor | None = None  # block grouping: the unfinished block's running sum
+        # Block grouping: the unfinished block's running sum, without its last output (``pending``), which
+        # the next site to read the sum adds in its own pass.
+        self.partial: Tensor | None = None
+        self.pending: Tensor | None = None
         self.in_block = 0
         self.done = 0  # finished blocks (block grouping)
         self.released = False
@@ -145,15 +151,23 @@ class FusedState:
     def read(self, site: int) -> Tensor:
         _refuse_recompute(self.token)
         plan = self.plans[site]
-        partial = self.partial if self.res.block_sublayers > 1 else None
+        partial, pending = self.partial, self.pending
+        if partial is None and pending is not None:  # the block's first output is its sum so far
+            partial, pending = pending, None
+        if pending is not None and not (partial.dtype == pending.dtype == self.dtype):
+            partial, pending = partial + pending, None  # (dtypes the kernels do not add: as torch adds)
         if self.res.recording():
-            self.res.store_weights(site, self._stacked(plan, partial))
-        out = _RouteSite.apply(self.token, partial, self, site)
+            self.res.store_weights(site, self._stacked(plan, partial if pending is None else partial + pending))
+        if partial is None:
+            out = _RouteSite.apply(self.token, self, site)
+        else:
+            out, self.partial = _RoutePartial.apply(self.token, partial, pending, self, site)
+            self.pending = None
         if site == self.res.n_sites - 1:
             # The forward is over. The token and the partial sum lead into the autograd graph, whose nodes
             # hold this state: drop them, or the cycle (which runs through C++ nodes that Python's
             # collector cannot see) would keep the buffers alive after backward.
-            self.token = self.partial = self.group = None
+            self.token = self.partial = self.pending = self.group = None
         return out
 
     def write(self, site: int, out: Tensor) -> None:
@@ -161,12 +175,17 @@ class FusedState:
         if self.res.block_sublayers == 1:
             self.token = _WriteSlot.apply(out, self.token, None, None, self, site + 1)
             return
-        self.partial = out if self.partial is None else self.partial + out
         self.in_block += 1
-        if self.in_block == self.res.block_sublayers:
-            self.done += 1
-            self.token = _WriteSlot.apply(self.partial, self.token, None, None, self, self.done)
-            self.partial, self.in_block = None, 0
+        if self.in_block < self.res.block_sublayers:
+            self.pending = out  # the next site adds it (``read``): the one before it already did
+            return
+        self.done += 1
+        partial, addend = self.partial, out
+        if partial is None or not (partial.dtype == out.dtype == self.dtype):
+            partial, addend = (out if partial is None else partial + out), None
+        self.token = _WriteSlot.apply(partial, self.token, None, None, self, self.done, addend)
+        self.partial = self.pending = None
+        self.in_block = 0
 
     def release(self) -> None:
         """Drop the pass's buffers once its backward is complete (slot 0's, the last to run). The state
@@ -184,10 +203,12 @@ class FusedState:
                                "buffers are freed: a second backward (retain_graph=True) needs "
                                "residual.backend=reference")
 
-    def write_slot(self, slot: int, source: Tensor) -> None:
+    def write_slot(self, slot: int, source: Tensor, addend: Tensor | None = None) -> None:
         from ...kernels.history import write_slot
 
-        write_slot(source.reshape(self.N, self.d).contiguous(), self.buffer[slot], self.rms[slot], self.res.eps)
+        flat = None if addend is None else addend.reshape(self.N, self.d).contiguous()
+        write_slot(source.reshape(self.N, self.d).contiguous(), self.buffer[slot], self.rms[slot], self.res.eps,
+                   addend=flat)
 
     def _stacked(self, plan: SitePlan, partial: Tensor | None) -> Tensor:
         """The site's sources as the reference stacks them (S, B, T, d), for recording depth weights."""
@@ -195,7 +216,10 @@ class FusedState:
         s = self.buffer[:n].view(n, *self.shape)
         return s if partial is None else torch.cat([s, partial.to(s.dtype).unsqueeze(0)])
 
-    def route_forward(self, site: int, partial: Tensor | None) -> Tensor:
+    def route_forward(self, site: int, partial: Tensor | None, addend: Tensor | None = None
+                      ) -> tuple[Tensor, Tensor | None]:
+        """The site's input (B, T, d), and the block partial sum it read: ``partial`` itself, or with
+        ``addend`` (the block's last output) their sum, made in the site's own pass."""
         from ...kernels.history import history_forward, sites_forward
 
         plan = self.plans[site]
@@ -216,6 +240,10 @@ class FusedState:
         group = self.group
         state = group.first if plan.k == 0 else group.rest[plan.k - 1]
         extras = self._extras(plan, partial)
+        summed, flat = partial, None
+        if addend is not None:
+            summed = torch.empty_like(partial)
+            flat = addend.reshape(N, d).contiguous()
         if extras.shape[0] == 0:
             out = state
         else:
@@ -223,10 +251,11 @@ class FusedState:
             # In full grouping the extras are slots, whose statistics are known; a block's partial sum is not.
             rms = self.rms[plan.history:plan.history + plan.k] if self.res.block_sublayers == 1 else None
             sites_forward(extras, group.qg[plan.k:plan.k + 1], H, eps, out, None, group.lse[plan.k:plan.k + 1],
-                          init=state.unsqueeze(0), rms=rms)
+                          init=state.unsqueeze(0), rms=rms, addend=flat,
+                          sum_out=None if addend is None else summed.view(N, d))
         if plan.k == plan.size - 1:  # every site of the group has merged: drop the partial states
             group.first = group.rest = None
-        return out.view(self.shape)
+        return out.view(self.shape), summed
 
     def _extras(self, plan: SitePlan, partial: Tensor | None) -> Tensor:
         """The site's sources beyond the history, (S, N, d): slots written inside its group, or the block's
@@ -267,9 +296,10 @@ class FusedState:
 
         return dzr_block(self.dzr, slot, self.res.n_sites, self.res.block_sublayers, self.res.num_heads, self.N)
 
-    def route_backward(self, site: int, grad_out: Tensor, out: Tensor, partial: Tensor | None) -> Tensor | None:
+    def route_backward(self, site: int, grad_out: Tensor, out: Tensor, partial: Tensor | None,
+                       base: Tensor | None = None) -> Tensor | None:
         """Keep the site's output gradient and delta for the slots' backward; return the gradient of the
-        block partial sum the site read, if any."""
+        block partial sum the site read, if any, plus ``base`` (the gradient it has from the later sums)."""
         from ...kernels.history import sites_backward
 
         self._refuse_released()
@@ -279,12 +309,13 @@ class FusedState:
         rows = slice(site, site + 1)
         extras = self._extras(self.plans[site], partial) if partial is not None else self.buffer[:0]
         grad_extras = torch.empty_like(extras)
-        parts = sites_backward(extras, grad_extras, False, self.qg[rows], H, eps, g, self.lse[rows],
-                               self.delta[rows], out=out.reshape(N, d), grad_copy=self.grad_out[rows])
+        if base is not None:
+            base = base.to(extras.dtype).reshape(1, N, d).contiguous()
+        sites_backward(extras, grad_extras, base, self.qg[rows], H, eps, g, self.lse[rows], self.delta[rows],
+                       out=out.reshape(N, d), grad_copy=self.grad_out[rows], dqg=self.dqg[rows])
         self.ran[site] = True
-        if parts is None:
+        if partial is None:
             return None
-        self.dqg[rows] += parts.sum(0)[:1]
         return grad_extras.view(self.shape).to(partial.dtype)
 
     def slot_grad(self, slot: int) -> Tensor:
@@ -341,9 +372,10 @@ class _WriteSlot(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, source: Tensor, token: Tensor | None, query: Tensor | None, key_weight: Tensor | None,
-                state: FusedState, slot: int) -> Tensor:
-        state.write_slot(slot, source)
+                state: FusedState, slot: int, addend: Tensor | None = None) -> Tensor:
+        state.write_slot(slot, source, addend)  # with addend: the slot is source + addend
         ctx.state, ctx.slot, ctx.dtype, ctx.first = state, slot, source.dtype, token is None
+        ctx.added = addend is not None
         if ctx.first:
             ctx.save_for_backward(query, key_weight)
         return torch.empty(0, device=source.device)  # the dependency token
@@ -357,22 +389,46 @@ class _WriteSlot(torch.autograd.Function):
                 grad_q, grad_k = ctx.state.parameter_grads(*ctx.saved_tensors)
                 ctx.state.release()
         # The token carries no value, only the order; its gradient is an empty tensor.
-        return grad, None if ctx.first else grad_token, grad_q, grad_k, None, None
+        return grad, None if ctx.first else grad_token, grad_q, grad_k, None, None, grad if ctx.added else None
 
 
 class _RouteSite(torch.autograd.Function):
-    """One routing site: its input, the mixture of the sources it sees."""
+    """One routing site that reads slots only: its input, the mixture of the sources it sees."""
 
     @staticmethod
-    def forward(ctx, token: Tensor, partial: Tensor | None, state: FusedState, site: int) -> Tensor:
-        out = state.route_forward(site, partial)
+    def forward(ctx, token: Tensor, state: FusedState, site: int) -> Tensor:
+        out, _ = state.route_forward(site, None)
         ctx.state, ctx.site = state, site
-        ctx.save_for_backward(out, partial)
+        ctx.save_for_backward(out)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        out, partial = ctx.saved_tensors
+        (out,) = ctx.saved_tensors
         with routing_range():
-            grad_partial = ctx.state.route_backward(ctx.site, grad_out, out, partial)
-        return grad_out.new_empty(0), grad_partial, None, None
+            ctx.state.route_backward(ctx.site, grad_out, out, None)
+        return grad_out.new_empty(0), None, None
+
+
+class _RoutePartial(torch.autograd.Function):
+    """A routing site that also reads its block's partial sum: its input, and the sum it read, ``partial``
+    or, with ``addend`` (the block's last output), ``partial + addend`` made in the site's pass. The sum's
+    gradient from the later sites arrives with the input's and is added in the site's backward pass."""
+
+    @staticmethod
+    def forward(ctx, token: Tensor, partial: Tensor, addend: Tensor | None, state: FusedState, site: int
+                ) -> tuple[Tensor, Tensor]:
+        ctx.set_materialize_grads(False)
+        out, summed = state.route_forward(site, partial, addend)
+        ctx.state, ctx.site, ctx.added = state, site, addend is not None
+        ctx.save_for_backward(out, summed)
+        return out, summed
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor | None, grad_summed: Tensor | None):
+        out, summed = ctx.saved_tensors
+        if grad_out is None:  # the site's input did not reach the loss, only the sum after it
+            grad_out = torch.zeros_like(out)
+        with routing_range():
+            grad = ctx.state.route_backward(ctx.site, grad_out, out, summed, base=grad_summed)
+        return grad_out.new_empty(0), grad, grad if ctx.added else None, None, None
