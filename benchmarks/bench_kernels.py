@@ -17,17 +17,15 @@ them, for example those of a commit REV:
 
 Bytes per call (e = bytes of an element of the buffer, U = N·d·e one source):
 - write_slot: read the source and write the slot, 2 U, and the RMS (N fp32).
-- history_fwd (the shared pass of G sites over S slots): S U + S·N·4 (RMS) read, G U + G·N·H·4 (lse) written,
-  and the scores the backward reads, G·S·N·H·4 (``history.Scores``; kernels that keep none: without).
+- history_fwd (the shared pass of G sites over S slots): S U + S·N·4 (RMS) read, G U + G·N·H·4 (lse) written.
 - sites_fwd (a site's merge with its k extra slots, and the lone last group): k U + the partial state U read,
-  U written, the log-sum-exps read and written, and the scores, k·N·H·4 (a shared pass of G: G·S·N·H·4).
+  U written, the log-sum-exps read and written.
 - sites_bwd (each site's backward prologue): the output gradient and the output read, the copy written, 3 U,
   the log-sum-exps read and delta written.
 - column (a pass over S sites, ``column.slot_passes``): the slot U, the S output gradients S U, the gradient
-  U; the sites' log-sum-exps and deltas read, dz·r written: 3·S·N·H·4, and the forward's scores read,
-  S·N·H·4 (``--reduced-scores`` also times the passes that reduce them again, without those bytes). A
-  two-slot pass also reads the lower slot U and writes its dz·r, S·N·H·4 (and reads its scores, as many),
-  and its carry, N·(d + H)·4, which the lower slot's own pass (over the sites that read it alone) reads back.
+  U; the sites' log-sum-exps and deltas read, dz·r written: 3·S·N·H·4. A two-slot pass also reads the
+  lower slot U and writes its dz·r, S·N·H·4, and its carry, N·(d + H)·4, which the lower slot's own pass
+  (over the sites that read it alone) reads back.
 - block_fwd, block_bwd (``block:4``'s sites that read their block's partial sum, 42 at ``paper350m``): the
   merge reads the partial state, the sum before and the block's last output and writes the new sum and the
   output, 5 U; the backward reads the output gradient, the output, the sum and the gradient the later sums
@@ -41,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import json
 import os
 import sys
@@ -57,11 +54,6 @@ from mhar_ablate.model.residual.fused import plan_sites
 SITES_PER_PASS = 4
 # The paper's tokens per step (mhar_ablate/bench.py): 8 x 2048 at 100M, 8 x 1024 otherwise; a few on the CPU.
 BATCH = {"paper100m": (8, 2048), "tiny": (1, 6)}
-
-
-def takes_scores(fn) -> bool:
-    """Whether a kernel module's function keeps or reads the forward's scores (earlier ones do not)."""
-    return "scores" in inspect.signature(fn).parameters
 
 
 def copy_bandwidth(device) -> float:
@@ -115,10 +107,6 @@ class Step:
         self.grad_partial = torch.empty((1, N, d), dtype=dtype, device=device)
         self.dqg = torch.zeros((n, d), dtype=torch.float32, device=device)
         self.dzr = torch.randn(kernels["column"].dzr_rows(n, n, 1) * H * N, generator=gen, device=device)
-        # The scores the forward keeps for the backward by source, in a buffer of their own here (the
-        # training path's passes overwrite them with dz * r: replayed, they would read their own output).
-        self.scores = self.scores_own = torch.zeros_like(self.dzr)
-        self.kept_scores = True  # the column passes read them (when the column module can)
         self.copy = torch.empty((n, N, d), dtype=dtype, device=device)
         self.carry_acc = torch.empty((N, d), dtype=torch.float32, device=device)
         self.carry_dr = torch.empty((N, H), dtype=torch.float32, device=device)
@@ -145,26 +133,19 @@ class Step:
             for p in self.plans:
                 rows = slice(p.start, p.start + p.size)
                 h = p.history
-                keep = takes_scores(history.history_forward)
-
-                def kept(site, slot, keep=keep):
-                    return {"scores": history.Scores(self.scores, self.n_sites, 1, site, slot)} if keep else {}
-
-                z_bytes = N * H * 4 if keep else 0  # a (site, slot) pair's scores
                 if p.k == 0 and kind == "history_fwd" and p.size > 2:
                     def shared_pass(p=p, rows=rows, h=h):
                         first, rest = self.first[p.start], self.rest[p.start]
                         history.history_forward(self.buffer[:h], self.rms[:h], self.qg[rows], H, first, rest,
-                                                self.lse[rows], **kept(p.start, 0))
+                                                self.lse[rows])
                         return first, rest[:p.size - 1], self.lse[rows]
 
-                    out.append((shared_pass, h * U + h * N * 4 + p.size * (U + N * H * 4 + h * z_bytes)))
+                    out.append((shared_pass, h * U + h * N * 4 + p.size * (U + N * H * 4)))
                 if p.k == 0 and kind == "sites_fwd" and p.size <= 2:
                     out.append((lambda p=p, rows=rows, h=h: history.sites_forward(
                         self.buffer[:h], self.qg[rows], H, eps, self.first[p.start],
-                        self.rest[p.start] if p.size > 1 else None, self.lse[rows], rms=self.rms[:h],
-                        **kept(p.start, 0)),
-                        h * U + h * N * 4 + p.size * (U + N * H * 4 + h * z_bytes)))
+                        self.rest[p.start] if p.size > 1 else None, self.lse[rows], rms=self.rms[:h]),
+                        h * U + h * N * 4 + p.size * (U + N * H * 4)))
                 if p.k > 0 and kind == "sites_fwd":
                     site = p.start + p.k
                     state = self.rest[p.start][p.k - 1]
@@ -173,8 +154,8 @@ class Step:
                     # checked against outputs computed after every merge has run).
                     out.append((lambda p=p, site=site, state=state, h=h: history.sites_forward(
                         self.buffer[h:h + p.k], self.qg[site:site + 1], H, eps, self.merged, None,
-                        self.lse[site:site + 1], init=state.unsqueeze(0), rms=self.rms[h:h + p.k], **kept(site, h)),
-                        p.k * U + p.k * N * 4 + 2 * U + 2 * N * H * 4 + p.k * z_bytes))
+                        self.lse[site:site + 1], init=state.unsqueeze(0), rms=self.rms[h:h + p.k]),
+                        p.k * U + p.k * N * 4 + 2 * U + 2 * N * H * 4))
         elif kind == "sites_bwd":
             empty = self.buffer[:0]
             for s in range(self.n_sites):
@@ -219,19 +200,17 @@ class Step:
                 return out
             carry = column.Carry(self.carry_acc, self.carry_dr)
             n = self.n_sites
-            scores = {"scores": self.scores} if self.kept_scores and takes_scores(column.run_pass) else {}
-            z_bytes = N * H * 4 if scores else 0  # a site's scores of one slot
             for p in column.slot_passes(n, n, 1, column.pairs_slots(d)):
                 S = len(p.sites)
-                moved = (S + 2) * U + N * 4 + S * stats + S * z_bytes
+                moved = (S + 2) * U + N * 4 + S * stats
                 if p.low:  # the lower slot and its RMS read, its dz * r written, its carry written
-                    moved += U + N * 4 + S * N * H * 4 + N * (d + H) * 4 + S * z_bytes
+                    moved += U + N * 4 + S * N * H * 4 + N * (d + H) * 4
                 if p.carried:  # the carry read
                     moved += N * (d + H) * 4
 
                 def run(p=p):
                     grad = column.run_pass(p, self.buffer, self.rms, self.copy, self.lse, self.delta, self.qg, H, 1,
-                                           self.dzr, carry, **scores)
+                                           self.dzr, carry)
                     return (grad,)
 
                 out.append((run, moved))
@@ -294,8 +273,6 @@ def main() -> int:
     p.add_argument("--two-slot-configs", default="",
                    help="'TOKENS,WARPS,STAGES;...' for the column kernel's passes over two slots")
     p.add_argument("--one-slot", action="store_true", help="also time the column passes one slot a pass")
-    p.add_argument("--reduced-scores", action="store_true",
-                   help="also time the column passes reducing the scores again instead of reading the forward's")
     p.add_argument("--history-configs", default="",
                    help="'G:TOKENS,WARPS,STAGES,SOURCES;...' for the head-tiled forward")
     p.add_argument("--query-configs", default="",
@@ -361,9 +338,6 @@ def main() -> int:
                      for c in parse_configs(args.two_slot_configs, False)]
         if args.one_slot:
             variants.append(("column", "one slot a pass", current, ("one-slot", None)))
-        if args.reduced_scores:
-            variants.append(("column", "scores reduced", current, ("reduced", None)))
-            variants.append(("column", "scores in dz*r", current, ("aliased", None)))
         variants += [("query_grad", f"qg {c}", current, ("qg", c)) for c in parse_configs(args.query_configs, False)]
         variants += [("write_slot", f"write {c}", current, ("write", c))
                      for c in parse_configs(args.write_configs, False)]
@@ -373,7 +347,7 @@ def main() -> int:
         variants += [(kind, label, current, setting) for kind in ("sites_bwd", "block_bwd", "sites_fwd", "block_fwd")
                      for label, setting in rows_settings]
         if prev is not None:
-            variants += [("history_fwd", "prev", prev, None), ("sites_fwd", "prev", prev, None)]
+            variants.append(("history_fwd", "prev", prev, None))
         variants += [("history_fwd", f"fwd G{g} {c}", current, (g, c))
                      for g, c in parse_configs(args.history_configs, True)]
 
@@ -387,10 +361,6 @@ def main() -> int:
                 column.TWO_SLOT_CONFIG = cfg
             elif what == "one-slot":
                 column.TWO_SLOTS = False
-            elif what == "reduced":
-                step.kept_scores = False
-            elif what == "aliased":  # as in training: the passes overwrite the scores they read
-                step.scores = step.dzr
             elif what == "qg":
                 column.QUERY_GRAD_CONFIG = cfg
             elif what == "write":
@@ -407,7 +377,6 @@ def main() -> int:
             history.HISTORY_CONFIG = {k: dict(v) for k, v in saved[3].items()}
             (history.WRITE_SLOT_CONFIG, history.ROW_WARPS, column.TWO_SLOT_CONFIG, column.TWO_SLOTS,
              history.ROW_MAXNREG) = saved[4:]
-            step.kept_scores, step.scores = True, step.scores_own
 
         if args.profile:
             import torch.cuda.nvtx as nvtx

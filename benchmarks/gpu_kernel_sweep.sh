@@ -10,8 +10,8 @@
 # PREV: a folder with a package prev_kernels (earlier history.py, column.py, launch.py) to time beside the
 # current kernels; PROFILE='PRESET:COLUMN_CONFIGS ...' runs Nsight Compute on one call per version first;
 # WRITE='TOKENS,WARPS;...' sweeps write_slot, ROWS='W;...' the row kernels' warps, TWO='TOKENS,WARPS,STAGES;...'
-# the column kernel's passes over two slots; ONE=1 times the column passes one slot a pass too; SCORES=1 times
-# the column passes reducing their scores again beside those reading the forward's; TESTS=0 skips the tests.
+# the column kernel's passes over two slots; ONE=1 times the column passes one slot a pass too; TESTS=0 skips
+# the tests.
 set -uo pipefail
 OUT=${OUT:-gpu-kernels}
 mkdir -p "$OUT"
@@ -36,5 +36,5 @@ fi
 python3 benchmarks/bench_kernels.py --presets "${PRESETS:-paper350m}" --out "$OUT" ${PREV:+--prev "$PREV"} \
   --column-configs "${COL:-}" --history-configs "${HIST:-}" --query-configs "${QUERY:-}" \
   --write-configs "${WRITE:-}" --row-warps "${ROWS:-}" --two-slot-configs "${TWO:-}" \
-  ${ONE:+--one-slot} ${SCORES:+--reduced-scores} 2>&1 \
+  ${ONE:+--one-slot} 2>&1 \
   | tee "$OUT/bench_kernels.log"

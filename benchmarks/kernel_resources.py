@@ -39,7 +39,7 @@ POINTERS = {  # argument: element type; the rest of the arguments are i32 or con
     "x_ptr": "bf16", "rms_ptr": "fp32", "g_ptr": "bf16", "lse_ptr": "fp32", "delta_ptr": "fp32", "qg_ptr": "fp32",
     "dx_ptr": "bf16", "dzr_ptr": "fp32", "y_ptr": "bf16", "ry_ptr": "fp32", "dzr_low_ptr": "fp32",
     "carry_ptr": "fp32", "carry_dr_ptr": "fp32", "src_ptr": "bf16", "out0_ptr": "bf16", "rest_ptr": "bf16",
-    "part_ptr": "fp32", "z_ptr": "fp32", "z_low_ptr": "fp32",
+    "part_ptr": "fp32",
 }
 ALIGNED = set(POINTERS) | {"stride_s"}  # 16-divisible, as the JIT sees them on a launch
 
@@ -110,7 +110,7 @@ def column_rows(d: int, heads: int, configs: list[tuple], use_ptx: bool) -> list
         for block_n, warps, stages in ([table] if table else []) + [c for c in configs if c != table]:
             if two and block_n > 1 and not stages:
                 continue  # the prefetching kernel takes two slots with one token a program
-            meta = {**head_meta(d, heads, has_b=True), "PTX": use_ptx, "LOW": two, "CARRY": False, "Z": True}
+            meta = {**head_meta(d, heads, has_b=True), "PTX": use_ptx, "LOW": two, "CARRY": False}
             if stages:
                 fn, meta = column._column_bwd_kernel, {**meta, "BLOCK_N": block_n, "STAGES": stages}
             else:
@@ -128,7 +128,7 @@ def history_rows(d: int, heads: int, block_g: int, configs: list[tuple], use_ptx
     for config in [table] + [c for c in configs if c != table]:
         block_n, warps, stages, sources = config
         meta = {**head_meta(d, heads, has_b=True), "BLOCK_G": block_g, "BLOCK_N": block_n, "STAGES": stages,
-                "SOURCES": sources, "PTX": use_ptx, "STORE_Z": True}
+                "SOURCES": sources, "PTX": use_ptx}
         fn = history._history_fwd_kernel
         loop_bytes = sources * block_n * (d // heads) * 2  # an iteration's sources, one head of bf16 rows
         out.append(row(fn.fn.__name__, d, config, warps, compile_for_sm90(fn, meta, warps), loop_bytes))

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from mhar_ablate.kernels import column, history
-from mhar_ablate.kernels.reference import (mhar_route_float64, query_grads_float64, routing_logsumexp_float64,
-                                            scores_float64)
+from mhar_ablate.kernels.reference import mhar_route_float64, query_grads_float64, routing_logsumexp_float64
 
 EPS = 1e-6
 
@@ -113,14 +112,11 @@ def test_backward_by_source_matches_autograd(S, N, d, H, config, monkeypatch):
     (10, 4, 6, 32, 2),  # block:4, 3 slots: slot 1 takes slot 0, whose own pass reads sites 0..3
 ])
 @pytest.mark.parametrize("config", [(1, 4, 0), (2, 4, 2)], ids=["row", "pipelined"])
-@pytest.mark.parametrize("kept_scores", [False, True], ids=["scores-reduced", "scores-kept"])
-def test_two_slot_passes_match_autograd(n_sites, block, N, d, H, config, kept_scores, monkeypatch):
+def test_two_slot_passes_match_autograd(n_sites, block, N, d, H, config, monkeypatch):
     """A step's backward by source as ``slot_passes`` plans it (odd slots' passes carrying the even slot
     below's sums, each even slot finishing from the carry): every slot's gradient, and the query gradients
     from the dz * r the passes left, against autograd of the reference (site s reads slots 0 .. s // block);
-    with the prefetching kernel (one token a program) and the pipelined one (two-token tiles); the scores
-    reduced again, or read from the buffer the passes overwrite with dz * r (as the training path keeps
-    them from its forward)."""
+    with the prefetching kernel (one token a program) and the pipelined one (two-token tiles)."""
     monkeypatch.setattr(column, "COLUMN_CONFIG", config)
     monkeypatch.setattr(column, "TWO_SLOT_CONFIG", config)
     slots = (n_sites - 1) // block + 1
@@ -135,61 +131,16 @@ def test_two_slot_passes_match_autograd(n_sites, block, N, d, H, config, kept_sc
                          torch.stack(outs).detach().float().view(n_sites, N, H, -1)).contiguous()
     rms = _rms(src)
     dzr = torch.full((column.dzr_rows(slots, n_sites, block) * H * N,), float("nan"))
-    if kept_scores:
-        dzr = scores_float64(src, qg, H, n_sites, block, EPS).float()
 
     carry = column.Carry(torch.full((N, d), float("nan")), torch.full((N, H), float("nan")))
     passes = column.slot_passes(slots, n_sites, block, two_slots=True)
     assert [p.slot for p in passes] == list(reversed(range(slots)))
     assert sum(p.low for p in passes) == slots // 2 == sum(p.carried for p in passes)
     for p in passes:
-        dx = column.run_pass(p, src, rms, grad_out, lse, delta, qg, H, block, dzr, carry,
-                             scores=dzr if kept_scores else None)
+        dx = column.run_pass(p, src, rms, grad_out, lse, delta, qg, H, block, dzr, carry)
         torch.testing.assert_close(dx, dsrc_ref[p.slot].float(), rtol=1e-4, atol=1e-4)
     dqg = column.query_grads(dzr, src, H, n_sites, block)
     torch.testing.assert_close(dqg, dqg_ref.float(), rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("n_sites,block,sites_per_pass,N,d,H", [
-    (5, 1, 4, 7, 48, 4),  # full: a head-tiled shared pass of four sites (head width 8 + 4), merges, a lone site
-    (6, 1, 2, 5, 32, 2),  # full: shared passes of two sites a row
-    (9, 4, 4, 6, 32, 8),  # block:4: the sites of a block over the finished blocks' slots
-    (4, 1, 2, 5, 32, 1),  # one head (AttnRes)
-])
-def test_the_forward_keeps_every_score_where_the_backward_reads_it(n_sites, block, sites_per_pass, N, d, H):
-    """The forward's passes as the training path plans them (``plan_sites``: a group's shared pass over its
-    history, each site's merge with the slots written inside its group) write each (site, slot) score to
-    its place in the step's ``dz * r`` layout: every place, against the oracle."""
-    from mhar_ablate.model.residual.fused import plan_sites
-
-    slots = (n_sites - 1) // block + 1
-    src, qg, _ = _inputs(slots, N, d, n_sites, seed=n_sites + 7 * d)
-    rms = _rms(src)
-    lse = torch.empty(n_sites, N, H)
-    kept = torch.full((column.dzr_rows(slots, n_sites, block) * H * N,), float("nan"))
-    for p in plan_sites(n_sites, block, sites_per_pass):
-        rows = slice(p.start, p.start + p.size)
-        first, rest = torch.empty(N, d), torch.empty(max(p.size - 1, 1), N, d)
-        if p.k == 0 and p.size > 2:
-            history.history_forward(src[:p.history], rms[:p.history], qg[rows], H, first, rest, lse[rows],
-                                    scores=history.Scores(kept, n_sites, block, p.start, 0))
-        elif p.k == 0:
-            history.sites_forward(src[:p.history], qg[rows], H, EPS, first, rest if p.size > 1 else None, lse[rows],
-                                  rms=rms[:p.history], scores=history.Scores(kept, n_sites, block, p.start, 0))
-        if p.k > 0 and block == 1:  # the slots written inside the group
-            site = p.start + p.k
-            history.sites_forward(src[p.history:p.history + p.k], qg[site:site + 1], H, EPS, first, None,
-                                  lse[site:site + 1], init=torch.zeros(1, N, d), rms=rms[p.history:p.history + p.k],
-                                  scores=history.Scores(kept, n_sites, block, site, p.history))
-    torch.testing.assert_close(kept, scores_float64(src, qg, H, n_sites, block, EPS).float(), rtol=1e-5, atol=1e-5)
-
-
-def test_scores_are_refused_for_a_site_that_does_not_read_the_slot():
-    src, qg, _ = _inputs(3, 4, 32, 3, seed=1)
-    kept = torch.empty(column.dzr_rows(3, 3, 1) * 2 * 4)
-    with pytest.raises(ValueError, match="do not all read"):  # site 1 does not read slot 2
-        history.sites_forward(src, qg[:2], 2, EPS, torch.empty(4, 32), torch.empty(1, 4, 32), torch.empty(2, 4, 2),
-                              rms=_rms(src), scores=history.Scores(kept, 3, 1, 0, 0))
 
 
 def test_a_carried_slot_whose_pass_above_did_not_run_reads_every_site():

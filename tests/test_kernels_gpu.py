@@ -19,8 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mhar_ablate.kernels.reference import (mhar_route_float64, mhar_route_reference, routing_logsumexp_float64,
-                                            scores_float64)
+from mhar_ablate.kernels.reference import mhar_route_float64, mhar_route_reference, routing_logsumexp_float64
 from mhar_ablate.ops import mhar_route
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU kernel tests need a CUDA device")
@@ -245,36 +244,6 @@ def test_history_forward_matches_float64(dtype, S, N, d, H, G, sources, monkeypa
         assert rel_err(lse[k], lse_k) <= LSE_TOL, f"site {k} lse: {rel_err(lse[k], lse_k):.2e}"
 
 
-@dtypes
-@pytest.mark.parametrize("S,N,d,H,G", HISTORY_SHAPES, ids=lambda v: str(v))
-def test_forward_passes_keep_their_scores(dtype, S, N, d, H, G):
-    """The shared pass (head-tiled for G > 2, by rows else) and a merge write every (site, slot) score where
-    the backward by source reads them: sites 0 .. G - 1 over slots 0 .. S - 1, and one more site over one
-    more slot; every place against the oracle (fp32 scores, as the forward computed them)."""
-    from mhar_ablate.kernels import column, history
-
-    src, qg, _ = site_inputs(S + 1, N, d, G + 1, dtype, seed=S * 10 + G)
-    rms = rms_of(src)
-    n_sites, slots = G + 1, S + 1  # slot j is read by sites j - (S - 1) ..: every site reads slots 0 .. S - 1
-    # a layout with block 0: every site reads every slot, the merge's site G reads slot S too
-    kept = nan_like((column.dzr_rows(slots, n_sites, 0) * H * N,), torch.float32)
-    lse = nan_like((n_sites, N, H), torch.float32)
-    first, rest = nan_like((N, d), dtype), nan_like((max(G - 1, 1), N, d), dtype)
-    scores = history.Scores(kept, n_sites, 0, 0, 0)
-    if G > 2:
-        history.history_forward(src[:S], rms[:S], qg[:G], H, first, rest, lse[:G], scores=scores)
-    else:
-        history.sites_forward(src[:S], qg[:G], H, EPS, first, rest if G > 1 else None, lse[:G], rms=rms[:S],
-                              scores=scores)
-    history.sites_forward(src, qg[G:], H, EPS, first, None, lse[G:], rms=rms,
-                          scores=history.Scores(kept, n_sites, 0, G, 0))
-    truth = scores_float64(src, qg, H, n_sites, 0, EPS).view(slots, H, n_sites, N)
-    got = kept.view(slots, H, n_sites, N)
-    assert rel_err(got[:S, :, :G], truth[:S, :, :G]) <= LSE_TOL
-    assert rel_err(got[:, :, G], truth[:, :, G]) <= LSE_TOL
-    assert got[S, :, :G].isnan().all()  # no site of the shared pass reads slot S: nothing written there
-
-
 def test_ptx_forms_match_the_portable_ones():
     """kernels/ptx.py's inline PTX against what the interpreter runs: exp with flush-to-zero (exact zeros
     for -inf and below 2^-126, else within ex2.approx's error), and a masked fp32 store from a reduction's
@@ -414,13 +383,11 @@ def test_column_backward_matches_float64(dtype, S, N, d, H, config, monkeypatch)
                                                  (4, 1, 5, 48, 4), (4, 1, 24, 1024, 1)], ids=lambda v: str(v))
 @pytest.mark.parametrize("config", [None, (1, 4, 0), (1, 2, 4), (2, 2, 3)],
                          ids=["table", "row", "pipelined", "pipelined-pair"])
-@pytest.mark.parametrize("kept_scores", [False, True], ids=["scores-reduced", "scores-kept"])
-def test_two_slot_passes_match_float64(dtype, n_sites, block, N, d, H, config, kept_scores, monkeypatch):
+def test_two_slot_passes_match_float64(dtype, n_sites, block, N, d, H, config, monkeypatch):
     """A step's backward by source as ``slot_passes`` plans it (two slots a pass, the lower one finished
     from the carry by its own pass over the sites only it reads): each slot's gradient and, from the dz * r
     the passes left, the query gradients, against autograd of the oracle; site s reads slots 0 .. s // block.
-    With the table's configuration (which at d = 1280 takes one slot a pass) and with each form forced; the
-    scores reduced again, or read from the buffer the passes overwrite (as the training path keeps them)."""
+    With the table's configuration (which at d = 1280 takes one slot a pass) and with each form forced."""
     from mhar_ablate.kernels import column
 
     monkeypatch.setattr(column, "TWO_SLOT_CONFIG", config)
@@ -431,14 +398,11 @@ def test_two_slot_passes_match_float64(dtype, n_sites, block, N, d, H, config, k
     dsrc64, dqg64, lse, delta = backward_truth(src, qg, grad_out, H, block)
     rms = rms_of(src)
     dzr = nan_like((column.dzr_rows(slots, n_sites, block) * H * N,), torch.float32)
-    if kept_scores:
-        dzr = scores_float64(src, qg, H, n_sites, block, EPS).float()
 
     carry = column.Carry(nan_like((N, d), torch.float32), nan_like((N, H), torch.float32))
     for p in column.slot_passes(slots, n_sites, block, column.pairs_slots(d)):
         poison()
-        dx = column.run_pass(p, src, rms, grad_out, lse, delta, qg, H, block, dzr, carry,
-                             scores=dzr if kept_scores else None)
+        dx = column.run_pass(p, src, rms, grad_out, lse, delta, qg, H, block, dzr, carry)
         assert dx.dtype == dtype
         assert rel_err(dx, dsrc64[p.slot]) <= TOL[dtype], f"slot {p.slot}: {rel_err(dx, dsrc64[p.slot]):.2e}"
     assert_qg_grad(column.query_grads(dzr, src, H, n_sites, block), dqg64, src, grad_out, dtype)

@@ -20,10 +20,6 @@ one transfer per pair plus two per slot (1,323 at that shape).
   output-gradient row and query row once for both, and leaves it in a carry; slot j - 1's own pass, when
   autograd reaches it, adds the sites that read it alone (CARRY). The output gradients are then read
   about half as often (843 instead of 1,323 source-sized transfers a step at the 350M shape).
-* Scores kept from the forward (``Z``, ``run_pass``'s ``scores``): the forward passes over buffer slots
-  write each score ``z = r <x, qg_s>_h`` (fp32, one value a token, site and head) where this pass writes
-  ``dz * r`` (``history.Scores``), so a pass reads z instead of reducing <x, qg_s> again (half the
-  per-head reductions of a two-slot pass) and overwrites it with ``dz * r`` in place.
 * ``_dqg_kernel``: those gradients, ``dqg[s, c] = sum_n dzr[h(c), s, n] * x[n, c]``, a matrix product
   over tokens per head, on tensor cores (bf16 sources: ``dzr`` split into two bf16 parts, so the product
   keeps about 16 bits of it) or in fp32. The training path runs it once for every slot of a step
@@ -81,22 +77,15 @@ def _token_rows(ptr, n, N, offs_a, offs_b, b_ok, HAS_B: tl.constexpr, on=None):
 
 
 @triton.jit
-def _column_site(xa, xb, ga, gb, qa, qb, r, lse, delta, dxa, dxb, dr, z, inv_r, HAS_B: tl.constexpr,
-                 PTX: tl.constexpr, Z: tl.constexpr):
+def _column_site(xa, xb, ga, gb, qa, qb, r, lse, delta, dxa, dxb, dr, HAS_B: tl.constexpr, PTX: tl.constexpr):
     """One site's share of a slot's gradient for a tile of tokens [T, H, .] (the rest block ``*b`` used
-    only with HAS_B): returns dz * r [T, H] and the updated accumulators. With Z the scores z = r u [T, H]
-    are the forward's (``inv_r`` = 1 / r), and only <g, x> is reduced here."""
-    da = tl.sum(ga * xa, axis=2)  # [T, H]
+    only with HAS_B): returns dz * r [T, H] and the updated accumulators."""
+    u = tl.sum(xa * qa, axis=2)  # [T, H]
+    da = tl.sum(ga * xa, axis=2)
     if HAS_B:
+        u += tl.sum(xb * qb, axis=2)
         da += tl.sum(gb * xb, axis=2)
-    if Z:
-        u = z * inv_r
-        a = ptx.exp(z - lse, PTX)
-    else:
-        u = tl.sum(xa * qa, axis=2)
-        if HAS_B:
-            u += tl.sum(xb * qb, axis=2)
-        a = ptx.exp(u * r - lse, PTX)
+    a = ptx.exp(u * r - lse, PTX)
     dz = a * (da - delta)
     rdz = dz * r
     dr += dz * u
@@ -136,20 +125,14 @@ def _finish(dx_ptr, offs_a, offs_b, row_ok, b_ok, xa, xb, dxa, dxb, dr, r, D: tl
         tl.store(dx_ptr + offs_b, (dxb - w * xb).to(dx_ptr.dtype.element_ty), mask=row_ok & b_ok)
 
 
-@triton.jit
-def _inverse(r):
-    """1 / r, and 0 for padded tokens (r = 0)."""
-    return tl.where(r > 0, 1.0 / tl.where(r > 0, r, 1.0), 0.0)
-
-
 @triton.jit(do_not_specialize=["N", "S", "dzr_head", "low_head"])
 def _column_bwd_kernel(
     x_ptr, rms_ptr, g_ptr, lse_ptr, delta_ptr, qg_ptr, dx_ptr, dzr_ptr,
-    y_ptr, ry_ptr, dzr_low_ptr, carry_ptr, carry_dr_ptr, z_ptr, z_low_ptr,
+    y_ptr, ry_ptr, dzr_low_ptr, carry_ptr, carry_dr_ptr,
     N, S, dzr_head, low_head,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PTX: tl.constexpr,
-    LOW: tl.constexpr, CARRY: tl.constexpr, Z: tl.constexpr,
+    LOW: tl.constexpr, CARRY: tl.constexpr,
 ):
     # A program holds BLOCK_N tokens' rows, [BLOCK_N, H, .] (and, with LOW, those of the low slot y); a
     # site's query row [1, H, .] broadcasts over them. Per site the program reads one output-gradient row
@@ -171,7 +154,6 @@ def _column_bwd_kernel(
     if HAS_B:
         xb = tl.load(x_ptr + offs_b, mask=row_ok & b_ok, other=0.0).to(tl.float32)
     r = tl.load(rms_ptr + n, mask=n_ok, other=0.0)[:, None]  # [BLOCK_N, 1]
-    inv_r = _inverse(r)
     dxa = tl.zeros([BLOCK_N, H, DA], tl.float32)
     dxb = tl.zeros([BLOCK_N, H, BLOCK_DB], tl.float32)
     dr = tl.zeros([BLOCK_N, H], tl.float32)
@@ -183,14 +165,11 @@ def _column_bwd_kernel(
         if HAS_B:
             yb = tl.load(y_ptr + offs_b, mask=row_ok & b_ok, other=0.0).to(tl.float32)
         ry = tl.load(ry_ptr + n, mask=n_ok, other=0.0)[:, None]
-        inv_ry = _inverse(ry)
         dya = tl.zeros([BLOCK_N, H, DA], tl.float32)
         dyb = tl.zeros([BLOCK_N, H, BLOCK_DB], tl.float32)
         dry = tl.zeros([BLOCK_N, H], tl.float32)
         dzr_low = dzr_low_ptr + hh.to(tl.int64)[None, :] * low_head + n[:, None]
-        z_low = z_low_ptr + hh.to(tl.int64)[None, :] * low_head + n[:, None]
     dzr = dzr_ptr + hh.to(tl.int64)[None, :] * dzr_head + n[:, None]
-    zs = z_ptr + hh.to(tl.int64)[None, :] * dzr_head + n[:, None]  # the scores: dz * r's layout
     for s in tl.range(S, num_stages=STAGES):
         site = tl.cast(s, tl.int64)
         g = g_ptr + site * N * D
@@ -203,17 +182,10 @@ def _column_bwd_kernel(
         # padded tokens: lse = +inf, weight 0
         lse = tl.load(lse_ptr + site * N * H + stat, mask=stat_ok, other=float("inf"))
         delta = tl.load(delta_ptr + site * N * H + stat, mask=stat_ok, other=0.0)
-        z = lse
-        if Z:
-            z = tl.load(zs + site * N, mask=stat_ok, other=0.0)
-        rdz, dxa, dxb, dr = _column_site(xa, xb, ga, gb, qa, qb, r, lse, delta, dxa, dxb, dr, z, inv_r, HAS_B, PTX,
-                                         Z)
+        rdz, dxa, dxb, dr = _column_site(xa, xb, ga, gb, qa, qb, r, lse, delta, dxa, dxb, dr, HAS_B, PTX)
         ptx.store_f32(dzr + site * N, rdz, stat_ok, PTX)
         if LOW:
-            if Z:
-                z = tl.load(z_low + site * N, mask=stat_ok, other=0.0)
-            rdz, dya, dyb, dry = _column_site(ya, yb, ga, gb, qa, qb, ry, lse, delta, dya, dyb, dry, z, inv_ry,
-                                              HAS_B, PTX, Z)
+            rdz, dya, dyb, dry = _column_site(ya, yb, ga, gb, qa, qb, ry, lse, delta, dya, dyb, dry, HAS_B, PTX)
             ptx.store_f32(dzr_low + site * N, rdz, stat_ok, PTX)
     _finish(dx_ptr, offs_a, offs_b, row_ok, b_ok, xa, xb, dxa, dxb, dr, r, D, HAS_B)
     if LOW:
@@ -223,11 +195,11 @@ def _column_bwd_kernel(
 @triton.jit(do_not_specialize=["N", "S", "dzr_head", "low_head"])
 def _column_bwd_prefetch_kernel(
     x_ptr, rms_ptr, g_ptr, lse_ptr, delta_ptr, qg_ptr, dx_ptr, dzr_ptr,
-    y_ptr, ry_ptr, dzr_low_ptr, carry_ptr, carry_dr_ptr, z_ptr, z_low_ptr,
+    y_ptr, ry_ptr, dzr_low_ptr, carry_ptr, carry_dr_ptr,
     N, S, dzr_head, low_head,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, PAIR: tl.constexpr, PTX: tl.constexpr,
-    LOW: tl.constexpr, CARRY: tl.constexpr, Z: tl.constexpr,
+    LOW: tl.constexpr, CARRY: tl.constexpr,
 ):
     # One token (two with PAIR) per program, its row in registers [1, H, .] (with LOW, one token, and its
     # row of the low slot y beside it), streaming over the S sites: per site one output-gradient row from
@@ -247,7 +219,6 @@ def _column_bwd_prefetch_kernel(
     x0a, x0b = _token_rows(x_ptr, n0, N, offs0_a, offs0_b, b_ok, HAS_B)
     x0a, x0b = x0a.to(tl.float32), x0b.to(tl.float32)
     r0 = tl.load(rms_ptr + n0, mask=n0 < N, other=0.0)[:, None]  # [1, 1]
-    inv_r0 = _inverse(r0)
     stat0 = n0[:, None] * H + hh[None, :]  # [1, H]: offsets in the (sites, N, H) statistics
     dx0a = tl.zeros([1, H, DA], tl.float32)
     dx0b = tl.zeros([1, H, BLOCK_DB], tl.float32)
@@ -260,7 +231,6 @@ def _column_bwd_prefetch_kernel(
         x1a, x1b = _token_rows(x_ptr, n1, N, offs1_a, offs1_b, b_ok, HAS_B)
         x1a, x1b = x1a.to(tl.float32), x1b.to(tl.float32)
         r1 = tl.load(rms_ptr + n1, mask=n1 < N, other=0.0)[:, None]
-        inv_r1 = _inverse(r1)
         stat1 = stat0 + H
         dx1a = tl.zeros([1, H, DA], tl.float32)
         dx1b = tl.zeros([1, H, BLOCK_DB], tl.float32)
@@ -272,12 +242,10 @@ def _column_bwd_prefetch_kernel(
         y0a, y0b = _token_rows(y_ptr, n0, N, offs0_a, offs0_b, b_ok, HAS_B)
         y0a, y0b = y0a.to(tl.float32), y0b.to(tl.float32)
         ry0 = tl.load(ry_ptr + n0, mask=n0 < N, other=0.0)[:, None]
-        inv_ry0 = _inverse(ry0)
         dy0a = tl.zeros([1, H, DA], tl.float32)
         dy0b = tl.zeros([1, H, BLOCK_DB], tl.float32)
         dry0 = tl.zeros([1, H], tl.float32)
         dzr_low = dzr_low_ptr + hh.to(tl.int64)[None, :] * low_head + n0[:, None]  # [1, H]
-        z_low = z_low_ptr + hh.to(tl.int64)[None, :] * low_head + n0[:, None]
 
     # Loads one site ahead (see mhar_triton: loads that feed no dot are not pipelined by the compiler
     # unless asked, and the shared-memory pipeline measured slower here); the limit is a tensor mask.
@@ -297,14 +265,6 @@ def _column_bwd_prefetch_kernel(
         next_lse1 = tl.load(lse_ptr + stat1, mask=n1[:, None] < first * N, other=float("inf"))
         next_delta1 = tl.load(delta_ptr + stat1, mask=n1[:, None] < first * N, other=0.0)
     dzr = dzr_ptr + hh.to(tl.int64)[None, :] * dzr_head + n0[:, None]  # [1, H]
-    zs = z_ptr + hh.to(tl.int64)[None, :] * dzr_head + n0[:, None]  # the scores: dz * r's layout
-    next_z0, next_z1, next_zl = next_lse0, next_lse0, next_lse0  # (placeholders without Z)
-    if Z:
-        next_z0 = tl.load(zs, mask=n0[:, None] < first * N, other=0.0)
-        if PAIR:
-            next_z1 = tl.load(zs + 1, mask=n1[:, None] < first * N, other=0.0)
-        if LOW:
-            next_zl = tl.load(z_low, mask=n0[:, None] < first * N, other=0.0)
     for s in range(S):
         more = tl.where(s + 1 < S, 1, 0)
         qa, qb = next_qa, next_qb
@@ -312,13 +272,6 @@ def _column_bwd_prefetch_kernel(
         if HAS_B:
             next_qb = tl.load(qg_ptr + (s + 1) * D + col_b, mask=jb < more * DB, other=0.0)
         g0a, g0b, lse0, delta0 = next0a.to(tl.float32), next0b.to(tl.float32), next_lse0, next_delta0
-        z0, z1, zl = next_z0, next_z1, next_zl
-        if Z:
-            next_z0 = tl.load(zs + (s + 1) * N, mask=n0[:, None] < more * N, other=0.0)
-            if PAIR:
-                next_z1 = tl.load(zs + (s + 1) * N + 1, mask=n1[:, None] < more * N, other=0.0)
-            if LOW:
-                next_zl = tl.load(z_low + (s + 1) * N, mask=n0[:, None] < more * N, other=0.0)
         next0a, next0b = _token_rows(g + N * D, n0, N, offs0_a, offs0_b, b_ok, HAS_B, more)
         next_lse0 = tl.load(lse_ptr + stat0 + N * H, mask=n0[:, None] < more * N, other=float("inf"))
         next_delta0 = tl.load(delta_ptr + stat0 + N * H, mask=n0[:, None] < more * N, other=0.0)
@@ -327,16 +280,16 @@ def _column_bwd_prefetch_kernel(
             next1a, next1b = _token_rows(g + N * D, n1, N, offs1_a, offs1_b, b_ok, HAS_B, more)
             next_lse1 = tl.load(lse_ptr + stat1 + N * H, mask=n1[:, None] < more * N, other=float("inf"))
             next_delta1 = tl.load(delta_ptr + stat1 + N * H, mask=n1[:, None] < more * N, other=0.0)
-        rdz0, dx0a, dx0b, dr0 = _column_site(x0a, x0b, g0a, g0b, qa, qb, r0, lse0, delta0, dx0a, dx0b, dr0, z0,
-                                             inv_r0, HAS_B, PTX, Z)
+        rdz0, dx0a, dx0b, dr0 = _column_site(x0a, x0b, g0a, g0b, qa, qb, r0, lse0, delta0, dx0a, dx0b, dr0, HAS_B,
+                                             PTX)
         ptx.store_f32(dzr + s * N, rdz0, n0[:, None] < N, PTX)
         if PAIR:
             rdz1, dx1a, dx1b, dr1 = _column_site(x1a, x1b, g1a, g1b, qa, qb, r1, lse1, delta1, dx1a, dx1b, dr1,
-                                                 z1, inv_r1, HAS_B, PTX, Z)
+                                                 HAS_B, PTX)
             ptx.store_f32(dzr + s * N + 1, rdz1, n1[:, None] < N, PTX)
         if LOW:
             rdz0, dy0a, dy0b, dry0 = _column_site(y0a, y0b, g0a, g0b, qa, qb, ry0, lse0, delta0, dy0a, dy0b, dry0,
-                                                  zl, inv_ry0, HAS_B, PTX, Z)
+                                                  HAS_B, PTX)
             ptx.store_f32(dzr_low + s * N, rdz0, n0[:, None] < N, PTX)
         g += N * D
         stat0 += N * H
@@ -471,14 +424,12 @@ class Carry(NamedTuple):
 
 class Low(NamedTuple):
     """The second slot of a two-slot pass: its rows ``x`` (N, d) and RMS statistic ``rms`` (N,), where its
-    ``dz * r`` for the pass's sites go (``dzr``, an (H, S, N) view), and its ``carry`` out; with the pass's
-    ``scores``, its own (``scores``, laid out as ``dzr``)."""
+    ``dz * r`` for the pass's sites go (``dzr``, an (H, S, N) view), and its ``carry`` out."""
 
     x: Tensor
     rms: Tensor
     dzr: Tensor
     carry: Carry
-    scores: Tensor | None = None
 
 
 def column_backward(x: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta: Tensor, qg: Tensor,
@@ -507,15 +458,12 @@ def _head_stride(dzr: Tensor, S: int, N: int) -> int:
 
 def slot_grad(x: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta: Tensor, qg: Tensor,
               num_heads: int, dzr: Tensor | None = None, *, carry: Carry | None = None,
-              low: Low | None = None, scores: Tensor | None = None) -> tuple[Tensor, Tensor]:
+              low: Low | None = None) -> tuple[Tensor, Tensor]:
     """``column_backward``'s first kernel, for N, S > 0: the slot's gradient and ``dz * r`` (H, S, N) fp32,
     written to ``dzr`` if given (a view whose heads may be strided: rows of a slot's block in the step's
     buffer). With ``carry``, the slot's sums over its other sites are added first. With ``low``, the same
     sites' share of a second slot is summed in the same pass (each site's output gradient and query row
-    read once for both) and left in ``low.carry``. With ``scores`` (laid out as ``dzr``, and
-    ``low.scores`` with ``low``) the sites' scores z = r <x, qg>_h are read from there, as the forward
-    wrote them (``history.Scores``), instead of reduced again; they may be ``dzr`` itself (each score is
-    read before its ``dz * r`` is written over it)."""
+    read once for both) and left in ``low.carry``."""
     N, d = x.shape
     S = grad_out.shape[0]
     dx = torch.empty_like(x)
@@ -524,9 +472,6 @@ def slot_grad(x: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta: Tens
     if carry is not None and low is not None:
         raise ValueError("a two-slot pass starts from no carry")
     head = _head_stride(dzr, S, N)
-    if scores is not None and (_head_stride(scores, S, N) != head
-                               or (low is not None and (low.scores is None or low.scores.stride() != low.dzr.stride()))):
-        raise ValueError("scores must be laid out as dz * r (and given for the low slot too)")
     block_n, warps, stages = column_config(d, two_slots=low is not None)
     meta = {**head_meta(d, num_heads, has_b=True), "BLOCK_N": block_n, "PTX": ptx.use_ptx(x.device),
             "LOW": low is not None, "CARRY": carry is not None}
@@ -539,15 +484,12 @@ def slot_grad(x: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta: Tens
     else:  # the prefetching kernel: one or two tokens a program
         kernel, meta["PAIR"] = _column_bwd_prefetch_kernel, block_n == 2
         del meta["BLOCK_N"]
-    meta["Z"] = scores is not None
     y, ry, dzr_low, out = (low.x, low.rms, low.dzr, low.carry) if low is not None else (x, rms, dzr, carry)
     low_head = _head_stride(dzr_low, S, N) if low is not None else 0
     acc, dr = out if out is not None else (dx, rms)  # (unused pointers without LOW or CARRY)
-    z = scores if scores is not None else dzr  # (unused without Z)
-    z_low = low.scores if low is not None and scores is not None else dzr_low
     launch(kernel, (triton.cdiv(N, block_n),),
-           (x, rms, grad_out, lse, delta, qg, dx, dzr, y, ry, dzr_low, acc, dr, z, z_low, N, S, head, low_head),
-           meta, x.device)
+           (x, rms, grad_out, lse, delta, qg, dx, dzr, y, ry, dzr_low, acc, dr, N, S, head, low_head), meta,
+           x.device)
     return dx, dzr
 
 
@@ -581,31 +523,24 @@ def slot_passes(n_slots: int, n_sites: int, block: int, two_slots: bool) -> list
 
 
 def run_pass(p: SlotPass, sources: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta: Tensor,
-             qg: Tensor, num_heads: int, block: int, dzr: Tensor, carry: Carry, carried: bool = True,
-             scores: Tensor | None = None) -> Tensor:
+             qg: Tensor, num_heads: int, block: int, dzr: Tensor, carry: Carry, carried: bool = True) -> Tensor:
     """Pass ``p`` of a step's backward (``slot_passes``) over the step's tensors: ``sources`` (slots, N, d)
     and ``rms`` (slots, N) as written in the forward; every site's ``grad_out`` (sites, N, d), ``lse`` and
     ``delta`` (sites, N, H), ``qg`` (sites, d); the step's flat ``dz * r`` (``dzr_block``); ``carry``, where
     a two-slot pass leaves the lower slot's sums and a carried pass finds them (``carried`` False: the pass
-    above did not run, so the slot takes every site that reads it). With ``scores`` (the forward's, laid out
-    as ``dzr``, which they may be) the passes read them (``slot_grad``). Returns the slot's gradient (N, d)."""
+    above did not run, so the slot takes every site that reads it). Returns the slot's gradient (N, d)."""
     j, n_sites, N = p.slot, grad_out.shape[0], sources.shape[1]
-
-    def block_of(flat: Tensor | None, slot: int) -> Tensor | None:
-        return None if flat is None else dzr_block(flat, slot, n_sites, block, num_heads, N)
-
-    rows, z, sites, start, low = block_of(dzr, j), block_of(scores, j), p.sites, None, None
+    rows, sites, start, low = dzr_block(dzr, j, n_sites, block, num_heads, N), p.sites, None, None
     if p.carried and carried:
         rows, start = rows[:, :len(sites)], carry
-        z = None if z is None else z[:, :len(sites)]
     elif p.carried:
         sites = range(block * j, n_sites)
     elif p.low:
-        z_below = None if scores is None else block_of(scores, j - 1)[:, block:]
-        low = Low(sources[j - 1], rms[j - 1], block_of(dzr, j - 1)[:, block:], carry, z_below)
+        below = dzr_block(dzr, j - 1, n_sites, block, num_heads, N)[:, block:]
+        low = Low(sources[j - 1], rms[j - 1], below, carry)
     at = slice(sites.start, sites.stop)
     grad, _ = slot_grad(sources[j], rms[j], grad_out[at], lse[at], delta[at], qg[at], num_heads, dzr=rows,
-                        carry=start, low=low, scores=z)
+                        carry=start, low=low)
     return grad
 
 

@@ -21,9 +21,6 @@ Two families of kernels:
   a head's [G, d/H] tile is the size of one site's row. The RMS statistic spans all heads, so this kernel
   reads it from ``rms`` (written once per source by ``write_slot``).
 
-Both forward kernels can also write every score they compute over buffer slots where the backward by
-source reads it (``Scores``), so that ``column``'s passes need not reduce <x, qg> again.
-
 Math (per site k, r = rsqrt(mean_c s_c^2 + eps), u_k = <s_h, qg_k,h>, z = r u):
 
     forward:   a_k = softmax over sources of z_k,     out_k = sum_s a_k s
@@ -39,8 +36,6 @@ to BLOCK_DB; ``launch.head_meta``); on CPU tensors the kernels run through Trito
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -49,7 +44,7 @@ from torch import Tensor
 from . import ptx
 from .launch import head_meta, launch, persistent_programs, tile_width
 
-__all__ = ["write_slot", "sites_forward", "sites_backward", "history_forward", "add_row_sums", "Scores"]
+__all__ = ["write_slot", "sites_forward", "sites_backward", "history_forward", "add_row_sums"]
 
 
 @triton.jit
@@ -80,33 +75,22 @@ def _softmax_step(m, l, z):
     return m_new, l * alpha + p, alpha, p
 
 
-@triton.jit
-def _score_rows(slot, site, head, n_sites, block, H: tl.constexpr):
-    """Where the score of (``site``, ``slot``, ``head``) starts in a step's flat ``dz * r``, in units of N
-    tokens: slot j's (H, S_j, N) block follows those of slots 0 .. j - 1, and holds the sites ``block * j``
-    .. ``n_sites - 1`` (``column.dzr_rows``)."""
-    first = block * slot
-    before = slot * n_sites - block * slot * (slot - 1) // 2
-    return before * H + head * (n_sites - first) + site - first
-
-
 # Counts are not specialised on (S == 1, N % 16, ...): every site's S differs, and each specialisation would
 # be one more compilation, paid inside the first training steps. The rest part of a head (DB channels) is
 # compiled in only when the head width is not a power of two (HAS_B), so that power-of-two widths carry no
 # empty loads, masks or reductions.
-@triton.jit(do_not_specialize=["N", "S", "G", "z_sites", "z_block", "z_site", "z_slot"])
+@triton.jit(do_not_specialize=["N", "S", "G"])
 def _sites_fwd_kernel(
-    src_ptr, rms_ptr, qg_ptr, init_ptr, out0_ptr, rest_ptr, lse_ptr, add_ptr, sum_ptr, z_ptr,
-    N, S, G, stride_s, eps, z_sites, z_block, z_site, z_slot,
+    src_ptr, rms_ptr, qg_ptr, init_ptr, out0_ptr, rest_ptr, lse_ptr, add_ptr, sum_ptr,
+    N, S, G, stride_s, eps,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_G: tl.constexpr, HAS_INIT: tl.constexpr,
-    USE_RMS: tl.constexpr, ADD: tl.constexpr, STORE_Z: tl.constexpr, PTX: tl.constexpr,
+    USE_RMS: tl.constexpr, ADD: tl.constexpr,
 ):
     # USE_RMS: the sources' RMS statistics are read from ``rms`` (buffer slots have them) instead of being
     # reduced from the row, a reduction across the program's warps per source. ADD (one source, S = 1):
     # the source is src + add, summed in fp32 and rounded to sum's dtype as torch adds, and written to sum
-    # (a block's partial sum, made in the pass that first reads it). STORE_Z: every score is also written
-    # where the backward by source reads it (``Scores``): source s is slot z_slot + s, site k is z_site + k.
+    # (a block's partial sum, made in the pass that first reads it).
     tok = tl.program_id(0).to(tl.int64)
     row = tok * D
     k = tl.arange(0, BLOCK_G)[:, None, None]  # [BLOCK_G, 1, 1] site within the group
@@ -173,10 +157,6 @@ def _sites_fwd_kernel(
         else:
             r = 1.0 / tl.sqrt(ss / D + eps)
         z = z * r
-        if STORE_Z:
-            at = _score_rows(tl.cast(z_slot + s, tl.int64), z_site + tl.arange(0, BLOCK_G)[:, None],
-                             tl.arange(0, H)[None, :], z_sites, z_block, H)
-            ptx.store_f32(z_ptr + at * N + tok, z, kh_ok, PTX)
         m, l, alpha, p = _softmax_step(m, l, z)
         acc_a = acc_a * alpha[:, :, None] + p[:, :, None] * xa
         if HAS_B:
@@ -345,24 +325,14 @@ def _scored_source(src, rms, ok, offs_a, offs_b, b_ok, qg_a, qg_b, HAS_B: tl.con
 # registers. Its time follows the instructions it issues more than its bytes in flight (2 to 8 stages run
 # alike; Nsight: "not selected" the largest stall), so an iteration takes SOURCES sources (2 or 4): the
 # accumulators are rescaled once for all of them, and the loop's bookkeeping is shared.
-@triton.jit
-def _keep_scores(z_ptr, z, ok, j, kk, head, z_sites, z_block, n, N, H: tl.constexpr, PTX: tl.constexpr):
-    """Write a tile's scores z [BLOCK_N, BLOCK_G] of slot ``j`` where the backward by source reads them
-    (``Scores``); ``kk`` [1, BLOCK_G] are the sites, ``ok`` [BLOCK_N, BLOCK_G] which exist."""
-    at = _score_rows(j, kk, head, z_sites, z_block, H)
-    ptx.store_f32(z_ptr + at * N + n[:, None], z, ok, PTX)
-
-
-@triton.jit(do_not_specialize=["N", "S", "G", "z_sites", "z_block", "z_site", "z_slot"])
+@triton.jit(do_not_specialize=["N", "S", "G"])
 def _history_fwd_kernel(
-    src_ptr, rms_ptr, qg_ptr, out0_ptr, rest_ptr, lse_ptr, z_ptr,
-    N, S, G, stride_s, z_sites, z_block, z_site, z_slot,
+    src_ptr, rms_ptr, qg_ptr, out0_ptr, rest_ptr, lse_ptr,
+    N, S, G, stride_s,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    STAGES: tl.constexpr, SOURCES: tl.constexpr, PTX: tl.constexpr, STORE_Z: tl.constexpr,
+    STAGES: tl.constexpr, SOURCES: tl.constexpr, PTX: tl.constexpr,
 ):
-    # STORE_Z: every score is also written where the backward by source reads it (``Scores``): source s
-    # is slot z_slot + s, site k is z_site + k.
     head = tl.program_id(1)
     n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n_ok = n < N
@@ -402,18 +372,6 @@ def _history_fwd_kernel(
             x4a, x4b, z4 = _scored_source(src + 3 * stride, rms + 3 * N, n < tl.where(s + 3 < S, N, 0), offs_a,
                                           offs_b, b_ok, qg_a, qg_b, HAS_B)
             m_new = tl.maximum(m_new, tl.maximum(z3, z4))
-        if STORE_Z:
-            j = tl.cast(z_slot + s, tl.int64)
-            kk = z_site + tl.arange(0, BLOCK_G)[None, :]
-            site_ok = (tl.arange(0, BLOCK_G) < G)[None, :]
-            _keep_scores(z_ptr, z1, n_ok[:, None] & site_ok, j, kk, head, z_sites, z_block, n, N, H, PTX)
-            _keep_scores(z_ptr, z2, (n < tl.where(s + 1 < S, N, 0))[:, None] & site_ok, j + 1, kk, head, z_sites,
-                         z_block, n, N, H, PTX)
-            if SOURCES == 4:
-                _keep_scores(z_ptr, z3, (n < tl.where(s + 2 < S, N, 0))[:, None] & site_ok, j + 2, kk, head,
-                             z_sites, z_block, n, N, H, PTX)
-                _keep_scores(z_ptr, z4, (n < tl.where(s + 3 < S, N, 0))[:, None] & site_ok, j + 3, kk, head,
-                             z_sites, z_block, n, N, H, PTX)
         # A padded token's scores are all -inf: its m stays -inf and exp(m - m_new) would be NaN.
         m_new = tl.where(n_ok[:, None], m_new, 0.0)
         alpha = ptx.exp(m - m_new, PTX)
@@ -512,36 +470,6 @@ def _history_config(kind: str, block_g: int, device: torch.device) -> tuple[int,
 WRITE_SLOT_CONFIG: tuple[int, int] | None = None
 
 
-class Scores(NamedTuple):
-    """Where a forward pass over buffer slots also writes its scores z = r <x, qg>_h (fp32), so that the
-    backward by source reads them instead of reducing <x, qg> again (``column.run_pass``'s ``scores``):
-    ``buf`` is laid out as the step's flat ``dz * r`` (``column.dzr_rows``: slot j's (H, S_j, N) block
-    holds the sites ``block * j`` .. ``n_sites - 1``), and the pass's sites start at site ``site``, its
-    sources at slot ``slot``. Each site must read each of the pass's sources."""
-
-    buf: Tensor
-    n_sites: int
-    block: int
-    site: int
-    slot: int
-
-
-def _score_args(scores: Scores | None, G: int, S: int, N: int, num_heads: int, fallback: Tensor) -> tuple:
-    """The kernels' score arguments (z_ptr, z_sites, z_block, z_site, z_slot), checked."""
-    if scores is None:
-        return fallback, 0, 0, 0, 0
-    buf, n_sites, block, site, slot = scores
-    last_slot = slot + S - 1
-    if buf.dtype != torch.float32 or not buf.is_contiguous() or site < block * last_slot or site + G > n_sites:
-        raise ValueError(f"scores: sites {site}..{site + G - 1} do not all read slots {slot}..{last_slot} "
-                         f"(block {block}, {n_sites} sites), or the buffer is not contiguous fp32")
-    from .column import dzr_rows
-
-    if buf.numel() < dzr_rows(last_slot + 1, n_sites, block) * num_heads * N:
-        raise ValueError(f"scores: a buffer of {buf.numel()} elements holds no slot {last_slot}")
-    return buf, n_sites, block, site, slot
-
-
 def write_slot(source: Tensor, slot: Tensor, rms: Tensor, eps: float, addend: Tensor | None = None) -> None:
     """Copy ``source`` (N, d), contiguous, into the buffer row ``slot`` (N, d), in the row's dtype, and
     write the RMS statistic ``rsqrt(mean(x^2) + eps)`` of each stored row to ``rms`` (N,) fp32. With
@@ -560,52 +488,45 @@ def write_slot(source: Tensor, slot: Tensor, rms: Tensor, eps: float, addend: Te
 
 def sites_forward(sources: Tensor, qg: Tensor, num_heads: int, eps: float, out: Tensor, rest: Tensor | None,
                   lse: Tensor, init: Tensor | None = None, rms: Tensor | None = None,
-                  addend: Tensor | None = None, sum_out: Tensor | None = None, scores: Scores | None = None) -> None:
+                  addend: Tensor | None = None, sum_out: Tensor | None = None) -> None:
     """Route ``sources`` (S, N, d), contiguous, for the G sites whose fused query·key-gain rows are ``qg``
     (G, d) fp32, a whole row per program. Writes site 0's normalised output to ``out`` (N, d), site k's to
     ``rest[k - 1]`` and every site's log-sum-exp to ``lse`` (G, N, H) fp32. With ``init`` (G, N, d) the
     sites continue from that partial state, whose log-sum-exps are read from ``lse`` first (in place).
     ``rms`` (S, N): the sources' RMS statistics, if known (else reduced from the rows). With ``addend``
     (N, d) and ``sum_out`` (N, d), both contiguous, and one source: the source routed is ``sources[0] +
-    addend``, rounded to ``sum_out``'s dtype and written there. With ``scores`` (sources that are buffer
-    slots, ``rms`` given) every score is also written there."""
+    addend``, rounded to ``sum_out``'s dtype and written there."""
     S, N, d = sources.shape
     G = qg.shape[0]
     if (addend is None) != (sum_out is None) or (addend is not None and (S != 1 or rms is not None)):
         raise ValueError("sites_forward: addend and sum_out go together, with one source and no rms")
-    if scores is not None and rms is None:
-        raise ValueError("sites_forward: scores are kept for buffer slots, whose rms is given")
     if N == 0:
         return
-    z_args = _score_args(scores, G, S, N, num_heads, lse)
     meta = {**head_meta(d, num_heads, has_b=True), "BLOCK_G": _block_g(G), "HAS_INIT": init is not None,
-            "USE_RMS": rms is not None, "ADD": addend is not None, "STORE_Z": scores is not None,
-            "PTX": ptx.use_ptx(sources.device)}
+            "USE_RMS": rms is not None, "ADD": addend is not None}
     if sources.device.type != "cpu":
         meta["num_warps"] = _num_warps(d, num_heads, meta["BLOCK_G"])
         if ROW_MAXNREG:
             meta["maxnreg"] = ROW_MAXNREG
     args = (sources, rms if rms is not None else qg, qg, init if init is not None else out, out,
             rest if rest is not None else out, lse, addend if addend is not None else out,
-            sum_out if sum_out is not None else out, z_args[0], N, S, G, N * d, eps, *z_args[1:])
+            sum_out if sum_out is not None else out, N, S, G, N * d, eps)
     launch(_sites_fwd_kernel, (N,), args, meta, sources.device)
 
 
 def history_forward(sources: Tensor, rms: Tensor, qg: Tensor, num_heads: int, out: Tensor, rest: Tensor,
-                    lse: Tensor, scores: Scores | None = None) -> None:
+                    lse: Tensor) -> None:
     """``sites_forward`` for G > 1 sites, tiled by head: reads the sources' RMS from ``rms`` (S, N)."""
     S, N, d = sources.shape
     G = qg.shape[0]
     if N == 0:
         return
-    z_args = _score_args(scores, G, S, N, num_heads, lse)
     block_g = _block_g(G)
     meta = head_meta(d, num_heads, has_b=True)
     block_n, options = _history_config("fwd_split" if meta["HAS_B"] else "fwd", block_g, sources.device)
-    meta.update(BLOCK_G=block_g, BLOCK_N=block_n, PTX=ptx.use_ptx(sources.device), STORE_Z=scores is not None,
-                **options)
+    meta.update(BLOCK_G=block_g, BLOCK_N=block_n, PTX=ptx.use_ptx(sources.device), **options)
     launch(_history_fwd_kernel, (triton.cdiv(N, block_n), num_heads),
-           (sources, rms, qg, out, rest, lse, z_args[0], N, S, G, N * d, *z_args[1:]), meta, sources.device)
+           (sources, rms, qg, out, rest, lse, N, S, G, N * d), meta, sources.device)
 
 
 def sites_backward(sources: Tensor, grad_sources: Tensor, base: Tensor | None, qg: Tensor, num_heads: int,

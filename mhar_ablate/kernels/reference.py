@@ -89,22 +89,3 @@ def query_grads_float64(dzr: Tensor, sources: Tensor, num_heads: int, n_sites: i
         x = sources[j].double().view(N, num_heads, d // num_heads)
         out[first:] += torch.einsum("hsn,nhc->shc", part, x).reshape(S, d)
     return out
-
-
-def scores_float64(sources: Tensor, qg: Tensor, num_heads: int, n_sites: int, block: int,
-                   eps: float = 1e-6) -> Tensor:
-    """Every (site, slot) score ``z = r <x, qg>_h`` float64, laid out as a step's flat ``dz * r`` (the
-    layout ``query_grads_float64`` reads, and where the forward keeps them: ``history.Scores``): slot j of
-    ``sources`` (slots, N, d) is read by sites ``block * j`` .. ``n_sites - 1`` of the fused query rows
-    ``qg`` (n_sites, d)."""
-    n_slots, N, d = sources.shape
-    parts = []
-    for j in range(n_slots):
-        first = block * j
-        if first >= n_sites:
-            break
-        rows = qg[first:].double()  # (S, d)
-        z = torch.stack([routing_logits(sources[j].double().view(1, 1, N, d), q, torch.ones_like(q), num_heads,
-                                        eps)[0, 0] for q in rows])  # (S, N, H)
-        parts.append(z.permute(2, 0, 1).reshape(-1))  # (H, S, N)
-    return torch.cat(parts)

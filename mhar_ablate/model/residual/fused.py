@@ -23,9 +23,6 @@ for backward). Here, per forward pass:
   backward autograd runs once every site that reads the slot has run its own, computes the slot's whole
   gradient in one pass over those sites (``kernels.column``); an odd slot's pass also sums the share of
   the slot below it from the same sites, so that slot's own pass reads only the sites that read it alone.
-  The forward's passes over slots keep every score they compute in the step's ``dz * r`` buffer, which a
-  slot's pass reads and overwrites with ``dz * r``; the scores of a site's merge with a block's partial
-  sum (no slot) are not kept, and a pass reduces those again.
   A block's partial sum, which is no slot, gets its gradient from the site that reads it, at once, added in
   that site's pass to the gradient the later sums passed back (so that no addition runs between kernels).
 - the routing parameters' gradients are summed into one (sites, d) buffer and handed to autograd once, by
@@ -131,17 +128,6 @@ class FusedState:
         self.ran = [False] * residual.n_sites
         self.clean_from = residual.n_sites
         self.dqg: Tensor | None = None
-        # Every slot's dz * r, (H, S_j, N) one after the other, for the query gradients' one product over
-        # all slots (``parameter_grads``). When a backward may follow, the forward writes each (site, slot)
-        # score there first, which the backward by source reads (instead of reducing <x, qg> again) and
-        # overwrites with dz * r.
-        from ...kernels.column import dzr_rows
-
-        self.dzr: Tensor | None = None
-        if torch.is_grad_enabled():
-            rows = dzr_rows(n_slots, residual.n_sites, residual.block_sublayers)
-            self.dzr = torch.empty(rows * H * self.N, dtype=torch.float32, device=dev)
-        self.scores_kept = self.dzr is not None
         per_pass = residual.sites_per_pass
         if d // H > HEAD_TILED_MAX_WIDTH:
             per_pass = min(per_pass, ROW_PASS_MAX_SITES)
@@ -234,15 +220,10 @@ class FusedState:
                       ) -> tuple[Tensor, Tensor | None]:
         """The site's input (B, T, d), and the block partial sum it read: ``partial`` itself, or with
         ``addend`` (the block's last output) their sum, made in the site's own pass."""
-        from ...kernels.history import Scores, history_forward, sites_forward
+        from ...kernels.history import history_forward, sites_forward
 
         plan = self.plans[site]
         N, d, H, eps = self.N, self.d, self.res.num_heads, self.res.eps
-        n_sites, K = self.res.n_sites, self.res.block_sublayers
-
-        def scores(first_site: int, first_slot: int) -> Scores | None:
-            return Scores(self.dzr, n_sites, K, first_site, first_slot) if self.scores_kept else None
-
         if plan.k == 0:
             rows = slice(plan.start, plan.start + plan.size)
             group = _Group(plan, self.qg[rows], self.lse[rows])
@@ -252,10 +233,9 @@ class FusedState:
                 group.rest = torch.empty((plan.size - 1, N, d), dtype=self.dtype, device=self.buffer.device)
             if plan.size <= ROW_PASS_MAX_SITES:
                 sites_forward(history, group.qg, H, eps, group.first, group.rest, group.lse,
-                              rms=self.rms[:plan.history], scores=scores(plan.start, 0))
+                              rms=self.rms[:plan.history])
             else:
-                history_forward(history, self.rms[:plan.history], group.qg, H, group.first, group.rest, group.lse,
-                                scores=scores(plan.start, 0))
+                history_forward(history, self.rms[:plan.history], group.qg, H, group.first, group.rest, group.lse)
             self.group = group
         group = self.group
         state = group.first if plan.k == 0 else group.rest[plan.k - 1]
@@ -269,12 +249,10 @@ class FusedState:
         else:
             out = torch.empty((N, d), dtype=self.dtype, device=self.buffer.device)
             # In full grouping the extras are slots, whose statistics are known; a block's partial sum is not.
-            slots = self.res.block_sublayers == 1
-            rms = self.rms[plan.history:plan.history + plan.k] if slots else None
+            rms = self.rms[plan.history:plan.history + plan.k] if self.res.block_sublayers == 1 else None
             sites_forward(extras, group.qg[plan.k:plan.k + 1], H, eps, out, None, group.lse[plan.k:plan.k + 1],
                           init=state.unsqueeze(0), rms=rms, addend=flat,
-                          sum_out=None if addend is None else summed.view(N, d),
-                          scores=scores(site, plan.history) if slots else None)
+                          sum_out=None if addend is None else summed.view(N, d))
         if plan.k == plan.size - 1:  # every site of the group has merged: drop the partial states
             group.first = group.rest = None
         return out.view(self.shape), summed
@@ -296,11 +274,12 @@ class FusedState:
             self.grad_out = torch.empty((n, self.N, self.d), dtype=self.dtype, device=dev)
             self.delta = torch.empty((n, self.N, self.res.num_heads), dtype=torch.float32, device=dev)
             self.dqg = torch.zeros((n, self.d), dtype=torch.float32, device=dev)
-            if self.dzr is None:  # (a forward without grad keeps no scores, and has no backward)
-                from ...kernels.column import dzr_rows
+            # Every slot's dz * r, (H, S_j, N) one after the other, for the query gradients' one product
+            # over all slots (``parameter_grads``).
+            from ...kernels.column import dzr_rows
 
-                rows = dzr_rows(self.buffer.shape[0], n, self.res.block_sublayers)
-                self.dzr = torch.empty(rows * self.res.num_heads * self.N, dtype=torch.float32, device=dev)
+            rows = dzr_rows(self.buffer.shape[0], n, self.res.block_sublayers)
+            self.dzr = torch.empty(rows * self.res.num_heads * self.N, dtype=torch.float32, device=dev)
             self.dzr_written = [False] * self.buffer.shape[0]
             # The backward's passes by slot, and the carry a two-slot pass leaves for the slot below it.
             from ...kernels.column import Carry, pairs_slots, slot_passes
@@ -356,8 +335,7 @@ class FusedState:
         self.clean_from = min(self.clean_from, first)
         plan = self.passes[slot]
         grad = run_pass(plan, self.buffer, self.rms, self.grad_out, self.lse, self.delta, self.qg, self.res.num_heads,
-                        K, self.dzr, self.carry, carried=self.carried == slot,
-                        scores=self.dzr if self.scores_kept else None)
+                        K, self.dzr, self.carry, carried=self.carried == slot)
         self.carried = slot - 1 if plan.low else None
         self.dzr_written[slot] = True
         return grad
