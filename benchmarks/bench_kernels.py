@@ -280,9 +280,9 @@ def main() -> int:
     p.add_argument("--write-configs", default="", help="'TOKENS,WARPS;...' for write_slot")
     p.add_argument("--row-warps", default="", help="'W;...': warps of the row kernels (sites_fwd, sites_bwd)")
     p.add_argument("--row-maxnreg", default="", help="'R;...': a cap on the row kernels' registers a thread")
-    p.add_argument("--profile", action="store_true", help="no timing: run one call of the column, the head-tiled "
-                   "forward, query_grad, block_bwd and sites_bwd per version, inside an NVTX range 'profile' (for "
-                   "ncu --nvtx-include)")
+    p.add_argument("--profile", action="store_true", help="no timing: run the largest call of the column, the "
+                   "head-tiled forward, query_grad, block_bwd and sites_bwd per version, inside an NVTX range "
+                   "'profile' (for ncu --nvtx-include)")
     p.add_argument("--prev", default="", help="folder holding a package prev_kernels (earlier kernels) to time too")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_kernels_out"))
     args = p.parse_args()
@@ -388,7 +388,9 @@ def main() -> int:
                                                   ("sites_bwd", "default", current, None)] + variants:
                 apply(setting)
                 calls = step.calls(kind, kernels)
-                fn = calls[0][0] if kind != "history_fwd" else calls[-1][0]
+                # the call that moves the most bytes: for the column kernel the pass over the most sites (a
+                # two-slot pass where the width pairs slots), for the head-tiled forward the longest history
+                fn = max(calls, key=lambda call: call[1])[0]
                 fn()  # compile outside the range
                 sync()
                 with nvtx.range("profile"):
