@@ -279,6 +279,8 @@ def main() -> int:
                    help="'SITES,TOKENS,WARPS,STAGES,PER_SM;...' for query_grad")
     p.add_argument("--write-configs", default="", help="'TOKENS,WARPS;...' for write_slot")
     p.add_argument("--row-warps", default="", help="'W;...': warps of the row kernels (sites_fwd, sites_bwd)")
+    p.add_argument("--row-stages", default="", help="'S[,CAP];...': the backward row kernel's pipeline depths "
+                   "(sites_bwd, block_bwd), with CAP a register cap in place of the table's (0: none)")
     p.add_argument("--row-maxnreg", default="", help="'R;...': a cap on the row kernels' registers a thread")
     p.add_argument("--profile", action="store_true", help="no timing: run the largest call of the column, the "
                    "head-tiled forward, query_grad, block_bwd and sites_bwd per version, inside an NVTX range "
@@ -331,7 +333,8 @@ def main() -> int:
         # The column kernels first: the head-tiled forward rewrites the log-sum-exps that they read.
         saved = (column.COLUMN_CONFIG, column.QUERY_GRAD_CONFIG, column.COLUMN_MAXNREG,
                  {k: dict(v) for k, v in history.HISTORY_CONFIG.items()}, history.WRITE_SLOT_CONFIG,
-                 history.ROW_WARPS, column.TWO_SLOT_CONFIG, column.TWO_SLOTS, history.ROW_MAXNREG)
+                 history.ROW_WARPS, column.TWO_SLOT_CONFIG, column.TWO_SLOTS, history.ROW_MAXNREG,
+                 history.ROW_BWD_STAGES, dict(history.ROW_BWD_CONFIG))
         variants = [("column", "prev", prev, None)] if prev is not None else []
         variants += [("column", f"col {c}", current, ("col", c)) for c in parse_configs(args.column_configs, False)]
         variants += [("column", f"two-slot {c}", current, ("two", c))
@@ -346,6 +349,10 @@ def main() -> int:
         rows_settings += [(f"rows maxnreg {r[0]}", ("maxnreg", r[0])) for r in parse_configs(args.row_maxnreg, False)]
         variants += [(kind, label, current, setting) for kind in ("sites_bwd", "block_bwd", "sites_fwd", "block_fwd")
                      for label, setting in rows_settings]
+        variants += [(kind, f"rows {r[0]} stages" + (f", cap {r[1]}" if len(r) > 1 else ""), current, ("stages", r))
+                     for kind in ("sites_bwd", "block_bwd") for r in parse_configs(args.row_stages, False)]
+        if prev is not None:
+            variants += [(kind, "prev", prev, None) for kind in ("sites_bwd", "block_bwd")]
         if prev is not None:
             variants.append(("history_fwd", "prev", prev, None))
         variants += [("history_fwd", f"fwd G{g} {c}", current, (g, c))
@@ -369,6 +376,10 @@ def main() -> int:
                 history.ROW_WARPS = cfg
             elif what == "maxnreg":
                 history.ROW_MAXNREG = cfg
+            elif what == "stages":
+                history.ROW_BWD_STAGES = cfg[0]
+                if len(cfg) > 1:  # the same cap for both forms
+                    history.ROW_BWD_CONFIG = {(step.d, args.heads): ((cfg[1], cfg[0]),) * 2}
             else:  # the preset's head split decides which table is read
                 history.HISTORY_CONFIG["fwd"][what] = history.HISTORY_CONFIG["fwd_split"][what] = cfg
 
@@ -376,7 +387,8 @@ def main() -> int:
             column.COLUMN_CONFIG, column.QUERY_GRAD_CONFIG, column.COLUMN_MAXNREG = saved[:3]
             history.HISTORY_CONFIG = {k: dict(v) for k, v in saved[3].items()}
             (history.WRITE_SLOT_CONFIG, history.ROW_WARPS, column.TWO_SLOT_CONFIG, column.TWO_SLOTS,
-             history.ROW_MAXNREG) = saved[4:]
+             history.ROW_MAXNREG, history.ROW_BWD_STAGES) = saved[4:10]
+            history.ROW_BWD_CONFIG = dict(saved[10])
 
         if args.profile:
             import torch.cuda.nvtx as nvtx

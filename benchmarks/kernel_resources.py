@@ -11,7 +11,8 @@ beside this machine's and put it first on the path:
     python3 -m pip install --no-deps --target /tmp/t36 triton==3.6.0
     PYTHONPATH=/tmp/t36:$PWD python3 benchmarks/kernel_resources.py --widths 512,1024,1280
 
-Rows: kernel, width d, launch configuration (the launch tables' entry for that width first), warps,
+Rows: kernel, width d, launch configuration (the launch tables' entry for that width first; for the
+backward row kernel its pipeline depth and register cap), warps,
 registers, stack, shared memory, conversions in the loop, SASS instructions of the loop (the longest one
 closed by a backward branch) and those per byte of the rows one iteration of a warp reads. ``--portable``
 compiles the forms the interpreter runs instead of the inline PTX (``kernels/ptx.py``).
@@ -39,17 +40,20 @@ POINTERS = {  # argument: element type; the rest of the arguments are i32 or con
     "x_ptr": "bf16", "rms_ptr": "fp32", "g_ptr": "bf16", "lse_ptr": "fp32", "delta_ptr": "fp32", "qg_ptr": "fp32",
     "dx_ptr": "bf16", "dzr_ptr": "fp32", "y_ptr": "bf16", "ry_ptr": "fp32", "dzr_low_ptr": "fp32",
     "carry_ptr": "fp32", "carry_dr_ptr": "fp32", "src_ptr": "bf16", "out0_ptr": "bf16", "rest_ptr": "bf16",
-    "part_ptr": "fp32",
+    "part_ptr": "fp32", "dsrc_ptr": "bf16", "base_ptr": "bf16", "out_ptr": "bf16", "gcopy_ptr": "bf16",
+    "dqg_part_ptr": "fp32",
 }
+FLOATS = {"eps"}
 ALIGNED = set(POINTERS) | {"stride_s"}  # 16-divisible, as the JIT sees them on a launch
 
 
-def compile_for_sm90(fn, meta: dict, warps: int, stages: int | None = None):
+def compile_for_sm90(fn, meta: dict, warps: int, stages: int | None = None, maxnreg: int | None = None):
     names = fn.arg_names
     constexprs = {k: v for k, v in meta.items() if k in names}
-    signature = {n: "constexpr" if n in constexprs else f"*{POINTERS[n]}" if n in POINTERS else "i32" for n in names}
+    signature = {n: "constexpr" if n in constexprs else f"*{POINTERS[n]}" if n in POINTERS
+                 else "fp32" if n in FLOATS else "i32" for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in ALIGNED}
-    options = {"num_warps": warps, **({"num_stages": stages} if stages else {})}
+    options = {"num_warps": warps, **({"num_stages": stages} if stages else {}), **({"maxnreg": maxnreg} if maxnreg else {})}
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), target=TARGET,
                           options=options)
 
@@ -135,6 +139,25 @@ def history_rows(d: int, heads: int, block_g: int, configs: list[tuple], use_ptx
     return out
 
 
+def row_bwd_rows(d: int, heads: int, stages: list[int]) -> list[dict]:
+    """The backward row kernel (``history.sites_backward``) as training launches it: a site's prologue
+    alone (S = 0) and a ``block:K`` site with its partial sum (S = 1, added to the later sums' gradient),
+    at the table's pipeline depth and at ``stages``, with the table's register cap."""
+    out = []
+    warps = history._num_warps(d, heads, 1)
+    for S in (0, 1):
+        meta = {**head_meta(d, heads, has_b=True), "BLOCK_G": 1, "ACCUMULATE": S > 0, "COMPUTE_DELTA": True,
+                "COPY_GRAD": True, "WRITE_DQG": S > 0, "S": S}
+        cap, table = history.ROW_BWD_CONFIG.get((d, heads), (history.ROW_BWD_DEFAULT,) * 2)[S]
+        for depth in [table] + [s for s in stages if s != table]:
+            fn = history._sites_bwd_kernel
+            # a token's rows: the output gradient and the output, and with S = 1 the sum and the later gradient
+            loop_bytes = (2 + 2 * S) * d * 2
+            compiled = compile_for_sm90(fn, {**meta, "STAGES": depth}, warps, maxnreg=cap or None)
+            out.append(row(f"{fn.fn.__name__} (S = {S})", d, (depth, cap), warps, compiled, loop_bytes))
+    return out
+
+
 def query_rows(d: int, heads: int, configs: list[tuple]) -> list[dict]:
     """The query gradients' kernel at the table's configuration and ``configs`` (SITES, TOKENS, WARPS,
     STAGES, PROGRAMS A SM), for a block of SITES sites."""
@@ -160,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="'TOKENS,WARPS,STAGES,SOURCES;...' for the head-tiled forward, beside the table's entry")
     p.add_argument("--query-configs", default="",
                    help="'SITES,TOKENS,WARPS,STAGES,PER_SM;...' for the query gradients, beside the table's")
+    p.add_argument("--row-stages", default="1,3", help="'STAGES,...': the backward row kernel's pipeline depths")
     p.add_argument("--sites-per-pass", type=int, default=4)
     p.add_argument("--portable", action="store_true", help="the interpreter's forms instead of the inline PTX")
     args = p.parse_args(argv)
@@ -174,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     for d in (int(w) for w in args.widths.split(",")):
         rows += (column_rows(d, args.heads, configs, not args.portable)
                  + history_rows(d, args.heads, block_g, fwd_configs, not args.portable)
-                 + query_rows(d, args.heads, query_configs))
+                 + query_rows(d, args.heads, query_configs)
+                 + row_bwd_rows(d, args.heads, [int(v) for v in args.row_stages.split(",") if v.strip()]))
     print(f"triton {triton.__version__}, sm_90, H = {args.heads}{', portable forms' if args.portable else ''}")
     print(markdown_table(list(rows[0]), [[str(v) for v in r.values()] for r in rows]))
     return 0

@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sites-per-pass", type=int, default=4)
     parser.add_argument("--top", type=int, default=20, help="kernel names listed (default 20)")
     parser.add_argument("--json", help="also write every variant's summary here")
+    parser.add_argument("--eager", action="store_true",
+                        help="also profile one step launched from Python (no graph) and list, per variant, the "
+                             "kernels whose time differs most between the replay and that step")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: step_kernels.py replays CUDA graphs; no GPU here", file=sys.stderr)
@@ -76,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         t = Training(v, args, PAPER_BATCH, model_cfg.seq_len, vocab, device)
         for i in range(2):  # compile
             t.step(i)
+        eager = None
+        if args.eager:
+            torch.cuda.synchronize()
+            eager = summarise(replay_kernels(t))
+            print(f"{v.name}, launched: {eager['kernels']} kernels, {eager['kernel_ms']:.2f} ms of kernels",
+                  flush=True)
         t.train_step = t.new_step(cuda_graph=True)
         t.train_step.prepare(*t.data[0])
         if not t.train_step.captured:
@@ -85,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             t.step(i)
         torch.cuda.synchronize()
         results[v.name] = s = summarise(replay_kernels(t))
+        if eager is not None:
+            s["launched"] = eager
         print(f"{v.name}: {s['kernels']} kernels a step, {s['kernel_ms']:.2f} ms of kernels in a replay of "
               f"{s['span_ms']:.2f} ms, idle {s['idle_ms']:.2f} ms ({1e3 * s['idle_ms'] / max(1, s['kernels']):.2f} us "
               "a kernel)", flush=True)
@@ -93,22 +104,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"preset": args.preset, "variants": results}, indent=1) + "\n")
+    if args.eager:
+        for name, s in results.items():
+            print_diff(f"{name}: the replay against the launched step", s["by_name"], s["launched"]["by_name"],
+                       args.top)
     names = list(results)
     base = results[names[0]]["by_name"]
     for name in names[1:]:
-        rows = results[name]["by_name"]
-        diff = []
-        for k in set(rows) | set(base):
-            c, us, idle = rows.get(k, [0, 0.0, 0.0])
-            c0, us0, idle0 = base.get(k, [0, 0.0, 0.0])
-            diff.append((k, c - c0, us - us0, idle - idle0))
-        diff.sort(key=lambda r: -(abs(r[2]) + abs(r[3])))
-        print(f"\n{name} against {names[0]}, by kernel: more kernels, more kernel us, more idle us before them")
-        print("| kernel | count | kernel us | idle us before |")
-        print("|---|---|---|---|")
-        for k, c, us, idle in diff[:args.top]:
-            print(f"| `{k}` | {c:+d} | {us:+.0f} | {idle:+.0f} |")
+        print_diff(f"{name} against {names[0]}", results[name]["by_name"], base, args.top)
     return 0
+
+
+def print_diff(title: str, rows: dict, base: dict, top: int) -> None:
+    """The kernel names whose count, time or idle time before them differ most between two summaries."""
+    diff = []
+    for k in set(rows) | set(base):
+        c, us, idle = rows.get(k, [0, 0.0, 0.0])
+        c0, us0, idle0 = base.get(k, [0, 0.0, 0.0])
+        diff.append((k, c - c0, us - us0, idle - idle0))
+    diff.sort(key=lambda r: -(abs(r[2]) + abs(r[3])))
+    print(f"\n{title}, by kernel: more kernels, more kernel us, more idle us before them")
+    print("| kernel | count | kernel us | idle us before |")
+    print("|---|---|---|---|")
+    for k, c, us, idle in diff[:top]:
+        print(f"| `{k}` | {c:+d} | {us:+.0f} | {idle:+.0f} |")
 
 
 if __name__ == "__main__":

@@ -178,17 +178,19 @@ def _sites_fwd_kernel(
     tl.store(lse_ptr + kh, m + tl.log(l), mask=kh_ok)
 
 
-@triton.jit(do_not_specialize=["N", "S", "G", "tokens_per_program"])
+@triton.jit(do_not_specialize=["N", "G", "tokens_per_program"])
 def _sites_bwd_kernel(
     src_ptr, dsrc_ptr, base_ptr, qg_ptr, g_ptr, lse_ptr, delta_ptr, out_ptr, gcopy_ptr, dqg_part_ptr,
-    N, S, G, stride_s, eps, tokens_per_program,
-    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
+    N, G, stride_s, eps, tokens_per_program,
+    S: tl.constexpr, D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_G: tl.constexpr, ACCUMULATE: tl.constexpr,
-    COMPUTE_DELTA: tl.constexpr, COPY_GRAD: tl.constexpr, WRITE_DQG: tl.constexpr,
+    COMPUTE_DELTA: tl.constexpr, COPY_GRAD: tl.constexpr, WRITE_DQG: tl.constexpr, STAGES: tl.constexpr,
 ):
     # Persistent: program p walks tokens p, p + P, ... so that the qg-gradient partial sums are one
     # [BLOCK_G, D] row per program, not per token. ACCUMULATE: the sources' gradients are base + this
-    # pass's (base may be dsrc itself).
+    # pass's (base may be dsrc itself). The S sources (0 or 1 in training: a block's partial sum) are
+    # unrolled, so that the token loop holds no inner loop and is software-pipelined over STAGES tokens:
+    # the next tokens' rows are copied into shared memory while this one is reduced.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     k = tl.arange(0, BLOCK_G)[:, None, None]
@@ -202,11 +204,12 @@ def _sites_bwd_kernel(
     kh_ok = (tl.arange(0, BLOCK_G) < G)[:, None]
     qg_a = tl.load(qg_ptr + k * D + col_a, mask=k_ok, other=0.0)
     dqg_a = tl.zeros([BLOCK_G, H, DA], tl.float32)
+    qg_b = tl.zeros([BLOCK_G, H, BLOCK_DB], tl.float32)  # (placeholders without HAS_B)
+    dqg_b = tl.zeros([BLOCK_G, H, BLOCK_DB], tl.float32)
     if HAS_B:
         qg_b = tl.load(qg_ptr + k * D + col_b, mask=k_ok & b_ok, other=0.0)
-        dqg_b = tl.zeros([BLOCK_G, H, BLOCK_DB], tl.float32)
 
-    for i in range(tokens_per_program):
+    for i in tl.range(tokens_per_program, num_stages=STAGES):
         tok = (pid + i * num_programs).to(tl.int64)
         # Past the last token the program recomputes token N - 1 and stores nothing: no masks on loads.
         # (``live`` has shape [1], not a scalar: the interpreter takes no scalar in a combined mask.)
@@ -216,6 +219,7 @@ def _sites_bwd_kernel(
         site_row = k.to(tl.int64) * N * D + row
         kh = tl.arange(0, BLOCK_G)[:, None] * N * H + tok * H + tl.arange(0, H)[None, :]
         ga = tl.load(g_ptr + site_row + col_a, mask=k_ok, other=0.0).to(tl.float32)
+        gb = qg_b
         if HAS_B:
             gb = tl.load(g_ptr + site_row + col_b, mask=k_ok & b_ok, other=0.0).to(tl.float32)
         # padded sites get lse = +inf, hence weight 0 and no gradient
@@ -235,29 +239,19 @@ def _sites_bwd_kernel(
         else:
             delta = tl.load(delta_ptr + kh, mask=kh_ok, other=0.0)
 
-        src = src_ptr + row
-        dsrc = dsrc_ptr + row
-        base = base_ptr + row
-        next_a = tl.load(src + col_a, mask=ja < tl.where(S > 0, DA, 0), other=0.0)
-        if HAS_B:
-            next_b = tl.load(src + col_b, mask=jb < tl.where(S > 0, DB, 0), other=0.0)
-        for s in range(S):
-            xa = next_a.to(tl.float32)
-            next_a = tl.load(src + stride_s + col_a, mask=ja < tl.where(s + 1 < S, DA, 0), other=0.0)
-            if ACCUMULATE:
-                prev_a = tl.load(base + col_a).to(tl.float32)
+        for s in tl.static_range(S):
+            at = s * stride_s + row
+            xa = tl.load(src_ptr + at + col_a).to(tl.float32)
+            xb = gb
+            if HAS_B:
+                xb = tl.load(src_ptr + at + col_b, mask=b_ok, other=0.0).to(tl.float32)
             ss = tl.sum(tl.sum(tl.sum(xa * xa, axis=2), axis=1), axis=0)
             u = tl.sum(xa * qg_a, axis=2)  # [BLOCK_G, H]
             da = tl.sum(ga * xa, axis=2)
             if HAS_B:
-                xb = next_b.to(tl.float32)
-                next_b = tl.load(src + stride_s + col_b, mask=jb < tl.where(s + 1 < S, DB, 0), other=0.0)
-                if ACCUMULATE:
-                    prev_b = tl.load(base + col_b, mask=b_ok, other=0.0).to(tl.float32)
                 ss += tl.sum(tl.sum(tl.sum(xb * xb, axis=2), axis=1), axis=0)
                 u += tl.sum(xb * qg_b, axis=2)
                 da += tl.sum(gb * xb, axis=2)
-            src += stride_s
             r = 1.0 / tl.sqrt(ss / D + eps)
             a = tl.exp(u * r - lse)
             dz = a * (da - delta)
@@ -266,15 +260,13 @@ def _sites_bwd_kernel(
             a = a[:, :, None]
             ds_a = tl.sum(a * ga + rdz * qg_a, axis=0, keep_dims=True) - w * xa
             if ACCUMULATE:
-                ds_a += prev_a
-            tl.store(dsrc + col_a, ds_a.to(dsrc_ptr.dtype.element_ty), mask=(ja >= 0) & live)
+                ds_a += tl.load(base_ptr + at + col_a).to(tl.float32)
+            tl.store(dsrc_ptr + at + col_a, ds_a.to(dsrc_ptr.dtype.element_ty), mask=(ja >= 0) & live)
             if HAS_B:
                 ds_b = tl.sum(a * gb + rdz * qg_b, axis=0, keep_dims=True) - w * xb
                 if ACCUMULATE:
-                    ds_b += prev_b
-                tl.store(dsrc + col_b, ds_b.to(dsrc_ptr.dtype.element_ty), mask=b_ok & live)
-            dsrc += stride_s
-            base += stride_s
+                    ds_b += tl.load(base_ptr + at + col_b, mask=b_ok, other=0.0).to(tl.float32)
+                tl.store(dsrc_ptr + at + col_b, ds_b.to(dsrc_ptr.dtype.element_ty), mask=b_ok & live)
             rdz = tl.where(live, rdz, 0.0)
             dqg_a += rdz * xa
             if HAS_B:
@@ -422,14 +414,18 @@ def _block_g(groups: int) -> int:
 # When set (benchmarks), the row kernels' warps. Measured on the H200: 2 or 8 warps instead of the rule's
 # 4 were slower at every preset but `sites_fwd` at d = 1024 (0.933 against 0.961 ms a step).
 ROW_WARPS: int | None = None
-# A cap on the backward row kernel's registers a thread, by (model width, heads), for its prologue alone
-# (S = 0) and with sources: more programs resident an SM. Measured on the H200 (benchmarks/bench_kernels.py
-# --row-maxnreg, a step's calls): at d = 1280 (heads split 128 + 32, 148 registers uncapped, 18 % occupancy
-# by Nsight) a block:4 step's partial-sum backward 4.70 -> 3.86 ms with 128 (96: 4.00, 80: 4.75), the
-# prologues 2.10 -> 1.88 ms with 96; at d = 1024 every cap was as fast or slower. ROW_MAXNREG, when set
-# (benchmarks), caps every row kernel instead.
-ROW_BWD_MAXNREG: dict[tuple[int, int], tuple[int, int]] = {(1280, 8): (96, 128)}
+# The backward row kernel's launch by (model width, heads), for a site's prologue alone (S = 0) and with a
+# source (S = 1, a block's partial sum): a cap on its registers a thread (0: none) and the tokens its loop
+# keeps in flight (``num_stages``); other shapes take ROW_BWD_DEFAULT. Measured on the H200
+# (benchmarks/bench_kernels.py --row-stages, a step's calls, docs/benchmarks.md "ninth round"): at
+# d = 1280 (heads split 128 + 32) the partial-sum backward 2.86 ms with 2 stages, 2.45 with 3 (uncapped:
+# 2.64, 2.54), the prologues 1.26 ms with 2 stages and a cap of 96 (1.31-1.37 otherwise); at d = 1024,
+# 1.28 and 0.70 ms with 2 stages and no cap (3 stages 1.32 and 0.71, 1 stage 1.53 and 0.70).
+ROW_BWD_CONFIG: dict[tuple[int, int], tuple[tuple[int, int], tuple[int, int]]] = {(1280, 8): ((96, 2), (128, 3))}
+ROW_BWD_DEFAULT = (0, 2)
+# When set (benchmarks): a cap on every row kernel's registers, the backward's stages.
 ROW_MAXNREG: int | None = None
+ROW_BWD_STAGES: int | None = None
 
 
 def _num_warps(d: int, num_heads: int, block_g: int) -> int:
@@ -540,7 +536,8 @@ def sites_backward(sources: Tensor, grad_sources: Tensor, base: Tensor | None, q
 
     ``grad_out`` (G, N, d), ``lse`` and ``delta`` (G, N, H) fp32 describe the sites. With ``out`` (one
     site's output, G = 1) ``delta`` is computed from it and written, and ``grad_out`` is copied into
-    ``grad_copy`` if given. S may be 0: then only that prologue runs.
+    ``grad_copy`` if given. S may be 0: then only that prologue runs. S is compiled into the kernel (its
+    sources unrolled), so each source count is a kernel of its own; training takes 0 and 1.
     """
     S, N, d = sources.shape
     G = qg.shape[0]
@@ -549,15 +546,17 @@ def sites_backward(sources: Tensor, grad_sources: Tensor, base: Tensor | None, q
         return None if S == 0 or dqg is not None else torch.zeros((1, block_g, d), dtype=torch.float32,
                                                                    device=sources.device)
     meta = {**head_meta(d, num_heads, has_b=True), "BLOCK_G": block_g, "ACCUMULATE": base is not None,
-            "COMPUTE_DELTA": out is not None, "COPY_GRAD": grad_copy is not None, "WRITE_DQG": S > 0}
+            "COMPUTE_DELTA": out is not None, "COPY_GRAD": grad_copy is not None, "WRITE_DQG": S > 0, "S": S}
+    cap, meta["STAGES"] = ROW_BWD_CONFIG.get((d, num_heads), (ROW_BWD_DEFAULT,) * 2)[S > 0]
+    if ROW_BWD_STAGES:
+        meta["STAGES"] = ROW_BWD_STAGES
     if sources.device.type != "cpu":
         meta["num_warps"] = _num_warps(d, num_heads, block_g)
-        cap = ROW_MAXNREG or ROW_BWD_MAXNREG.get((d, num_heads), (0, 0))[S > 0]
-        if cap:
-            meta["maxnreg"] = cap
+        if ROW_MAXNREG or cap:
+            meta["maxnreg"] = ROW_MAXNREG or cap
     args = [sources, grad_sources, base if base is not None else grad_sources, qg, grad_out, lse, delta,
             out if out is not None else grad_out, grad_copy if grad_copy is not None else grad_out,
-            torch.empty((1, block_g, d), dtype=torch.float32, device=sources.device), N, S, G, N * d, eps, 1]
+            torch.empty((1, block_g, d), dtype=torch.float32, device=sources.device), N, G, N * d, eps, 1]
     programs = persistent_programs(_sites_bwd_kernel, args, meta, sources.device, N)
     partials = torch.empty((programs if S else 1, block_g, d), dtype=torch.float32, device=sources.device)
     args[9], args[-1] = partials, triton.cdiv(N, programs)
