@@ -23,3 +23,13 @@ def test_idle_time_is_the_gaps_between_kernels_in_start_order():
 def test_an_empty_replay_has_nothing_to_count():
     s = load_script("step_kernels").summarise([])
     assert (s["kernels"], s["kernel_ms"], s["span_ms"], s["idle_ms"]) == (0, 0, 0.0, 0.0)
+
+
+def test_the_difference_lists_the_largest_change_first_with_kernels_only_one_side_has(capsys):
+    """``--eager`` and the variant comparison print the kernel names whose time moved most, kernels that
+    only one summary has included (counted against zero)."""
+    rows = {"gemm": [2, 30.0, 1.0], "_route": [3, 12.0, 4.0]}
+    base = {"gemm": [2, 25.0, 1.0], "add_norm": [3, 9.0, 2.0]}
+    load_script("step_kernels").print_diff("routed against baseline", rows, base, top=2)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| `")]
+    assert lines == ["| `_route` | +3 | +12 | +4 |", "| `add_norm` | -3 | -9 | -2 |"]
