@@ -352,9 +352,7 @@ def main() -> int:
         variants += [(kind, f"rows {r[0]} stages" + (f", cap {r[1]}" if len(r) > 1 else ""), current, ("stages", r))
                      for kind in ("sites_bwd", "block_bwd") for r in parse_configs(args.row_stages, False)]
         if prev is not None:
-            variants += [(kind, "prev", prev, None) for kind in ("sites_bwd", "block_bwd")]
-        if prev is not None:
-            variants.append(("history_fwd", "prev", prev, None))
+            variants += [(kind, "prev", prev, None) for kind in ("sites_bwd", "block_bwd", "history_fwd")]
         variants += [("history_fwd", f"fwd G{g} {c}", current, (g, c))
                      for g, c in parse_configs(args.history_configs, True)]
 

@@ -23,8 +23,9 @@ from mhar_ablate.bench import PAPER_BATCH, PAPER_VOCAB, Training, all_variants, 
 from mhar_ablate.config import build_config
 
 
-def replay_kernels(t: Training) -> list[tuple[str, int, int]]:
-    """(name, start ns, duration ns) of every kernel, copy and fill of one replay, in start order."""
+def step_kernels(t: Training) -> list[tuple[str, int, int]]:
+    """(name, start ns, duration ns) of every kernel, copy and fill of one step (a replay once the step is
+    captured), in start order."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         eager = None
         if args.eager:
             torch.cuda.synchronize()
-            eager = summarise(replay_kernels(t))
+            eager = summarise(step_kernels(t))
             print(f"{v.name}, launched: {eager['kernels']} kernels, {eager['kernel_ms']:.2f} ms of kernels",
                   flush=True)
         t.train_step = t.new_step(cuda_graph=True)
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(3):
             t.step(i)
         torch.cuda.synchronize()
-        results[v.name] = s = summarise(replay_kernels(t))
+        results[v.name] = s = summarise(step_kernels(t))
         if eager is not None:
             s["launched"] = eager
         print(f"{v.name}: {s['kernels']} kernels a step, {s['kernel_ms']:.2f} ms of kernels in a replay of "

@@ -419,7 +419,8 @@ ROW_WARPS: int | None = None
 # keeps in flight (``num_stages``); other shapes take ROW_BWD_DEFAULT. Measured on the H200
 # (benchmarks/bench_kernels.py --row-stages, a step's calls, docs/benchmarks.md "ninth round"): at
 # d = 1280 (heads split 128 + 32) the partial-sum backward 2.86 ms with 2 stages, 2.45 with 3 (uncapped:
-# 2.64, 2.54), the prologues 1.26 ms with 2 stages and a cap of 96 (1.31-1.37 otherwise); at d = 1024,
+# 2.64, 2.54), the prologues 1.26 ms with 2 stages and a cap of 96 (1.25 with 160, 1.31-1.37 with 1 or 3
+# stages or no cap); at d = 1024,
 # 1.28 and 0.70 ms with 2 stages and no cap (3 stages 1.32 and 0.71, 1 stage 1.53 and 0.70).
 ROW_BWD_CONFIG: dict[tuple[int, int], tuple[tuple[int, int], tuple[int, int]]] = {(1280, 8): ((96, 2), (128, 3))}
 ROW_BWD_DEFAULT = (0, 2)
