@@ -275,6 +275,9 @@ def main() -> int:
     p.add_argument("--one-slot", action="store_true", help="also time the column passes one slot a pass")
     p.add_argument("--history-configs", default="",
                    help="'G:TOKENS,WARPS,STAGES,SOURCES;...' for the head-tiled forward")
+    p.add_argument("--history-dot", default="",
+                   help="'TOKENS,WARPS,STAGES,MAX_S;...' for the head-tiled forward's matrix-product form "
+                   "(--history-configs entries time its reductions' form)")
     p.add_argument("--query-configs", default="",
                    help="'SITES,TOKENS,WARPS,STAGES,PER_SM;...' for query_grad")
     p.add_argument("--write-configs", default="", help="'TOKENS,WARPS;...' for write_slot")
@@ -334,7 +337,7 @@ def main() -> int:
         saved = (column.COLUMN_CONFIG, column.QUERY_GRAD_CONFIG, column.COLUMN_MAXNREG,
                  {k: dict(v) for k, v in history.HISTORY_CONFIG.items()}, history.WRITE_SLOT_CONFIG,
                  history.ROW_WARPS, column.TWO_SLOT_CONFIG, column.TWO_SLOTS, history.ROW_MAXNREG,
-                 history.ROW_BWD_STAGES, dict(history.ROW_BWD_CONFIG))
+                 history.ROW_BWD_STAGES, dict(history.ROW_BWD_CONFIG), history.HISTORY_DOT_CONFIG)
         variants = [("column", "prev", prev, None)] if prev is not None else []
         variants += [("column", f"col {c}", current, ("col", c)) for c in parse_configs(args.column_configs, False)]
         variants += [("column", f"two-slot {c}", current, ("two", c))
@@ -355,6 +358,7 @@ def main() -> int:
             variants += [(kind, "prev", prev, None) for kind in ("sites_bwd", "block_bwd", "history_fwd")]
         variants += [("history_fwd", f"fwd G{g} {c}", current, (g, c))
                      for g, c in parse_configs(args.history_configs, True)]
+        variants += [("history_fwd", f"fwd dot {c}", current, ("dot", c)) for c in parse_configs(args.history_dot, False)]
 
         def apply(setting):
             if setting is None:
@@ -378,7 +382,10 @@ def main() -> int:
                 history.ROW_BWD_STAGES = cfg[0]
                 if len(cfg) > 1:  # the same cap for both forms
                     history.ROW_BWD_CONFIG = {(step.d, args.heads): ((cfg[1], cfg[0]),) * 2}
-            else:  # the preset's head split decides which table is read
+            elif what == "dot":
+                history.HISTORY_DOT_CONFIG = cfg
+            else:  # the reductions' form; the preset's head split decides which table is read
+                history.HISTORY_DOT_CONFIG = None
                 history.HISTORY_CONFIG["fwd"][what] = history.HISTORY_CONFIG["fwd_split"][what] = cfg
 
         def restore():
@@ -386,7 +393,7 @@ def main() -> int:
             history.HISTORY_CONFIG = {k: dict(v) for k, v in saved[3].items()}
             (history.WRITE_SLOT_CONFIG, history.ROW_WARPS, column.TWO_SLOT_CONFIG, column.TWO_SLOTS,
              history.ROW_MAXNREG, history.ROW_BWD_STAGES) = saved[4:10]
-            history.ROW_BWD_CONFIG = dict(saved[10])
+            history.ROW_BWD_CONFIG, history.HISTORY_DOT_CONFIG = dict(saved[10]), saved[11]
 
         if args.profile:
             import torch.cuda.nvtx as nvtx

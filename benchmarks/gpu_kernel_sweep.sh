@@ -11,7 +11,8 @@
 # current kernels; PROFILE='PRESET:COLUMN_CONFIGS ...' runs Nsight Compute on one call per version first;
 # WRITE='TOKENS,WARPS;...' sweeps write_slot, ROWS='W;...' the row kernels' warps, TWO='TOKENS,WARPS,STAGES;...'
 # the column kernel's passes over two slots; ROWSTAGES='S[,CAP];...' the backward row kernel's pipeline depth;
-# ONE=1 times the column passes one slot a pass too; TESTS=0 skips
+# DOT='TOKENS,WARPS,STAGES,MAX_S;...' the head-tiled forward's matrix-product form; ONE=1 times the
+# column passes one slot a pass too; TESTS=0 skips
 # the tests.
 set -uo pipefail
 OUT=${OUT:-gpu-kernels}
@@ -35,7 +36,7 @@ if [ -n "${PROFILE:-}" ]; then  # PROFILE='PRESET:COLUMN_CONFIGS PRESET:...': Ns
   done
 fi
 python3 benchmarks/bench_kernels.py --presets "${PRESETS:-paper350m}" --out "$OUT" ${PREV:+--prev "$PREV"} \
-  --column-configs "${COL:-}" --history-configs "${HIST:-}" --query-configs "${QUERY:-}" \
+  --column-configs "${COL:-}" --history-configs "${HIST:-}" --history-dot "${DOT:-}" --query-configs "${QUERY:-}" \
   --write-configs "${WRITE:-}" --row-warps "${ROWS:-}" --two-slot-configs "${TWO:-}" --row-stages "${ROWSTAGES:-}" \
   ${ONE:+--one-slot} 2>&1 \
   | tee "$OUT/bench_kernels.log"

@@ -12,7 +12,8 @@ beside this machine's and put it first on the path:
     PYTHONPATH=/tmp/t36:$PWD python3 benchmarks/kernel_resources.py --widths 512,1024,1280
 
 Rows: kernel, width d, launch configuration (the launch tables' entry for that width first; for the
-backward row kernel its pipeline depth and register cap), warps,
+backward row kernel its pipeline depth and register cap; the shared pass's matrix-product form with a
+token's sources in one tile and in several), warps,
 registers, stack, shared memory, conversions in the loop, SASS instructions of the loop (the longest one
 closed by a backward branch) and those per byte of the rows one iteration of a warp reads. ``--portable``
 compiles the forms the interpreter runs instead of the inline PTX (``kernels/ptx.py``).
@@ -33,7 +34,7 @@ from triton.compiler import ASTSource
 
 from mhar_ablate.bench import markdown_table
 from mhar_ablate.kernels import column, history
-from mhar_ablate.kernels.launch import head_meta
+from mhar_ablate.kernels.launch import head_meta, products_fit
 
 TARGET = GPUTarget("cuda", 90, 32)
 POINTERS = {  # argument: element type; the rest of the arguments are i32 or constexpr
@@ -139,6 +140,26 @@ def history_rows(d: int, heads: int, block_g: int, configs: list[tuple], use_ptx
     return out
 
 
+def history_dot_rows(d: int, heads: int, block_g: int, configs: list[tuple], use_ptx: bool) -> list[dict]:
+    """The shared pass's matrix-product form at the table's configuration and ``configs`` (TOKENS, WARPS,
+    STAGES, MAX_S), with a token's sources in one tile of MAX_S and over several (the running softmax)."""
+    out = []
+    meta = head_meta(d, heads, has_b=True)
+    if not products_fit(meta):
+        return out
+    table = history.HISTORY_DOT_CONFIG
+    for config in ([table] if table else []) + [c for c in configs if c != table]:
+        _, warps, stages, max_s = config
+        for one_tile in (True, False):
+            fn_meta = {**meta, "HALF": max(8, block_g), "BLOCK_S": max_s, "STAGES": stages, "ONE_TILE": one_tile,
+                       "PTX": use_ptx}
+            fn = history._history_fwd_dot_kernel
+            loop_bytes = max_s * (d // heads) * 2  # a tile of one head's rows, bf16
+            name = fn.fn.__name__ + (" (one tile)" if one_tile else " (tiles)")
+            out.append(row(name, d, config, warps, compile_for_sm90(fn, fn_meta, warps), loop_bytes))
+    return out
+
+
 def row_bwd_rows(d: int, heads: int, stages: list[int]) -> list[dict]:
     """The backward row kernel (``history.sites_backward``) as training launches it: a site's prologue
     alone (S = 0) and a ``block:K`` site with its partial sum (S = 1, added to the later sums' gradient),
@@ -181,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="'TOKENS,WARPS,STAGES;...' beside the table's entry (STAGES 0: the prefetching kernel)")
     p.add_argument("--history-configs", default="",
                    help="'TOKENS,WARPS,STAGES,SOURCES;...' for the head-tiled forward, beside the table's entry")
+    p.add_argument("--history-dot", default="",
+                   help="'TOKENS,WARPS,STAGES,MAX_S;...' for the head-tiled forward's matrix-product form")
     p.add_argument("--query-configs", default="",
                    help="'SITES,TOKENS,WARPS,STAGES,PER_SM;...' for the query gradients, beside the table's")
     p.add_argument("--row-stages", default="1,3", help="'STAGES,...': the backward row kernel's pipeline depths")
@@ -193,11 +216,13 @@ def main(argv: list[str] | None = None) -> int:
     configs = [tuple(int(v) for v in c.split(",")) for c in args.column_configs.split(";") if c.strip()]
     fwd_configs = [tuple(int(v) for v in c.split(",")) for c in args.history_configs.split(";") if c.strip()]
     query_configs = [tuple(int(v) for v in c.split(",")) for c in args.query_configs.split(";") if c.strip()]
+    dot_configs = [tuple(int(v) for v in c.split(",")) for c in args.history_dot.split(";") if c.strip()]
     block_g = triton.next_power_of_2(args.sites_per_pass)
     rows = []
     for d in (int(w) for w in args.widths.split(",")):
         rows += (column_rows(d, args.heads, configs, not args.portable)
                  + history_rows(d, args.heads, block_g, fwd_configs, not args.portable)
+                 + history_dot_rows(d, args.heads, block_g, dot_configs, not args.portable)
                  + query_rows(d, args.heads, query_configs)
                  + row_bwd_rows(d, args.heads, [int(v) for v in args.row_stages.split(",") if v.strip()]))
     print(f"triton {triton.__version__}, sm_90, H = {args.heads}{', portable forms' if args.portable else ''}")

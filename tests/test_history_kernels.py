@@ -1,6 +1,6 @@
 """The fused path's kernels against the float64 oracle, through Triton's interpreter in fp32:
 the head-tiled shared forward pass (``kernels/history.py``: outputs and log-sum-exps of G sites over one
-history) and the backward by source (``kernels/column.py``: each slot's gradient and the query
+history, in both its forms) and the backward by source (``kernels/column.py``: each slot's gradient and the query
 gradients, from the sites that read it), over awkward shapes (head widths split 8 + 4, token counts that
 are not a multiple of the tile, a padded site count, a single source) and every tile size and prefetch
 depth the launch table can choose."""
@@ -44,9 +44,30 @@ def _rms(src):
 ])
 @pytest.mark.parametrize("block_n,stages,sources", [(1, 1, 2), (2, 2, 4), (4, 3, 2)])
 def test_shared_pass_matches_the_reference(monkeypatch, S, N, d, H, G, block_n, stages, sources):
-    """Against the reference for token tiles that leave the last one part-filled and source counts that
-    leave an iteration's last sources missing (2 or 4 sources an iteration)."""
+    """The reductions' form against the reference for token tiles that leave the last one part-filled and
+    source counts that leave an iteration's last sources missing (2 or 4 sources an iteration)."""
     monkeypatch.setattr(history, "_INTERPRETER_CONFIG", (block_n, 1, stages, sources))
+    monkeypatch.setattr(history, "HISTORY_DOT_CONFIG", None)
+    _check_shared_pass(S, N, d, H, G)
+
+
+@pytest.mark.parametrize("S,N,d,H,G", [
+    (5, 7, 64, 2, 4),  # head width 32
+    (33, 5, 96, 2, 3),  # head width 48 = 32 + 16; 33 sources: three tiles of 16, the last with one source
+    (20, 4, 160, 1, 5),  # one head of 160 = 128 + 32
+    (1, 3, 32, 2, 2),  # one source
+    (6, 3, 64, 2, 9),  # nine sites: each half of the products' rows is 16 wide
+])
+@pytest.mark.parametrize("tokens,max_s", [(3, 16), (2, 32)])
+def test_shared_pass_products_match_the_reference(monkeypatch, S, N, d, H, G, tokens, max_s):
+    """The matrix products' form: tiles of 16 sources (a running softmax over several) or one tile of up to
+    32, a program's tokens leaving the last program part-filled, and the sites' padding."""
+    monkeypatch.setattr(history, "_INTERPRETER_DOT_CONFIG", (tokens, 1, 1, max_s))
+    monkeypatch.setattr(history, "HISTORY_DOT_MIN_S", (0, 0))
+    _check_shared_pass(S, N, d, H, G)
+
+
+def _check_shared_pass(S, N, d, H, G):
     src, qg, _ = _inputs(S, N, d, G, seed=S * 100 + N)
     refs = [_route(src.double(), qg[k].double(), H) for k in range(G)]
     out0 = torch.full((N, d), float("nan"))

@@ -222,18 +222,32 @@ HISTORY_SHAPES = [  # S, N, d, H, G
     (1, 5, 48, 4, 3),  # one source, head width 12, three sites padded to four
     (33, 19, 1024, 8, 8),
     (6, 40, 512, 8, 2),
+    (73, 21, 1280, 8, 4),  # paper1b's longest pass: running softmax over tiles, with the split head
 ]
+
+
+# The shared pass's forms: the reductions' (2 or 4 sources an iteration, whatever the launch table picks) and
+# the matrix products' (TOKENS, WARPS, STAGES, MAX_S: tiles of 16 sources, so that S = 33 and 73 take the
+# running softmax over several tiles; 32 and 64, one tile for most S; a program's tokens leaving the last
+# program part-filled).
+HISTORY_FORMS = [("reductions", 2), ("reductions", 4), ("dot", (16, 1, 3, 16)), ("dot", (16, 1, 3, 32)),
+                 ("dot", (5, 1, 2, 64))]
 
 
 @dtypes
 @pytest.mark.parametrize("S,N,d,H,G", HISTORY_SHAPES, ids=lambda v: str(v))
-@pytest.mark.parametrize("sources", [2, 4], ids=lambda v: f"{v}-sources")
-def test_history_forward_matches_float64(dtype, S, N, d, H, G, sources, monkeypatch):
-    """Both forms of the loop (2 or 4 sources an iteration), whatever the launch table picks."""
+@pytest.mark.parametrize("form", HISTORY_FORMS, ids=lambda v: f"{v[0]}-{v[1]}")
+def test_history_forward_matches_float64(dtype, S, N, d, H, G, form, monkeypatch):
     from mhar_ablate.kernels import history
 
-    table = {kind: {g: (*cfg[:3], sources) for g, cfg in by_g.items()} for kind, by_g in history.HISTORY_CONFIG.items()}
-    monkeypatch.setattr(history, "HISTORY_CONFIG", table)
+    kind, config = form
+    if kind == "reductions":
+        table = {k: {g: (*cfg[:3], config) for g, cfg in by_g.items()} for k, by_g in history.HISTORY_CONFIG.items()}
+        monkeypatch.setattr(history, "HISTORY_CONFIG", table)
+        monkeypatch.setattr(history, "HISTORY_DOT_CONFIG", None)
+    else:
+        monkeypatch.setattr(history, "HISTORY_DOT_CONFIG", config)
+        monkeypatch.setattr(history, "HISTORY_DOT_MIN_S", (0, 0))
     src, qg, _ = site_inputs(S, N, d, G, dtype, seed=S * 100 + N)
     truth = [oracle_site(src, qg[k], H) for k in range(G)]
     out0, rest, lse = nan_like((N, d), dtype), nan_like((G - 1, N, d), dtype), nan_like((G, N, H), torch.float32)

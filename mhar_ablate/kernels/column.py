@@ -43,7 +43,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import ptx
-from .launch import device_index, head_meta, launch, num_sms
+from .launch import device_index, head_meta, launch, num_sms, products_fit
 
 __all__ = ["column_backward", "slot_grad", "slot_passes", "pairs_slots", "SlotPass", "run_pass", "Carry", "Low",
            "query_grads", "dzr_rows", "dzr_block"]
@@ -557,11 +557,6 @@ def dzr_rows(slots: int, n_sites: int, block: int) -> int:
     return slots * n_sites - block * slots * (slots - 1) // 2
 
 
-def _products_fit(meta: dict) -> bool:
-    """Whether a head's blocks (``head_meta``'s DA and, with HAS_B, BLOCK_DB) are wide enough for ``tl.dot``."""
-    return meta["DA"] >= 16 and (not meta["HAS_B"] or meta["BLOCK_DB"] >= 16)
-
-
 def query_grads(dzr: Tensor, sources: Tensor, num_heads: int, n_sites: int, block: int) -> Tensor:
     """The sites' ``qg`` gradients (n_sites, d) fp32 from every slot at once: ``sources`` (slots, N, d)
     and, for each slot j in turn (read by sites ``block * j`` .. ``n_sites - 1``), its ``dz * r`` (H, S_j, N)
@@ -570,13 +565,13 @@ def query_grads(dzr: Tensor, sources: Tensor, num_heads: int, n_sites: int, bloc
     if N == 0 or n_slots == 0:
         return torch.zeros((n_sites, d), dtype=torch.float32, device=sources.device)
     meta = {**head_meta(d, num_heads, has_b=True), "BLOCKS": 1}
-    if meta["DA"] > 128 or not _products_fit(meta):
+    if meta["DA"] > 128 or not products_fit(meta):
         # a wide head (AttnRes: one head of d channels), or one with a part narrower than a matrix
         # product: blocks of the largest power of two dividing its width, at most 128
         width = d // num_heads
         meta.update(DA=min(128, width & -width), DB=0, BLOCK_DB=1, HAS_B=False)
         meta["BLOCKS"] = width // meta["DA"]
-    use_dot = _products_fit(meta)
+    use_dot = products_fit(meta)
     sites = max(16, triton.next_power_of_2(n_sites))
     if sources.device.type == "cpu":  # interpreter: two chunks, so that tests cover their sum
         block_s, block_k, chunks, options = min(sites, 64), 16, 2, {}

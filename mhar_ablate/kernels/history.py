@@ -15,11 +15,14 @@ Two families of kernels:
   site (or a few) over its sources, the per-site mode, and the merge of a site with the sources it reads
   beyond its group's history. The RMS of a source is computed from the row. The backward kernel also
   keeps a site's output gradient and its ``delta = <g, out>`` for the slots' backward.
-* one token tile and one routing head per program (``_history_fwd_kernel``), the shared pass of G > 2
-  sites. Holding G sites' accumulators for a whole row would fill the register file (measured on the
-  H200: a shared pass of 8 sites over full rows took 53 ms a step against 25 ms for one pass per site);
-  a head's [G, d/H] tile is the size of one site's row. The RMS statistic spans all heads, so this kernel
-  reads it from ``rms`` (written once per source by ``write_slot``).
+* one routing head per program, the shared pass of G > 2 sites (``history_forward``). Holding G sites'
+  accumulators for a whole row would fill the register file (measured on the H200: a shared pass of 8
+  sites over full rows took 53 ms a step against 25 ms for one pass per site); a head's [G, d/H] tile is
+  the size of one site's row. The RMS statistic spans all heads, so these kernels read it from ``rms``
+  (written once per source by ``write_slot``). Two forms: for a token, G sites over S sources is a small
+  attention whose two products run on tensor cores (``_history_fwd_dot_kernel``, S >= 8 and heads wide
+  enough for ``tl.dot``); fewer sources, or narrow heads, take one token tile a program with every
+  product a sum across lanes (``_history_fwd_kernel``).
 
 Math (per site k, r = rsqrt(mean_c s_c^2 + eps), u_k = <s_h, qg_k,h>, z = r u):
 
@@ -42,7 +45,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import ptx
-from .launch import head_meta, launch, persistent_programs, tile_width
+from .launch import head_meta, launch, persistent_programs, products_fit, tile_width
 
 __all__ = ["write_slot", "sites_forward", "sites_backward", "history_forward", "add_row_sums"]
 
@@ -310,7 +313,9 @@ def _scored_source(src, rms, ok, offs_a, offs_b, b_ok, qg_a, qg_b, HAS_B: tl.con
     return xa, xb, tl.where(ok[:, None], z * r, float("-inf"))
 
 
-# The head-tiled kernel. A program's tile is [BLOCK_N tokens, BLOCK_G sites, channels of one head]; a source
+# The head-tiled pass's reductions' form (passes over few sources, heads too narrow for ``tl.dot``; the
+# matrix products' form is ``_history_fwd_dot_kernel``). A program's tile is [BLOCK_N tokens, BLOCK_G sites,
+# channels of one head]; a source
 # is [BLOCK_N, 1, .] and broadcasts over the sites. One head's slice of a row is small (256 bytes at d =
 # 1024, H = 8), so the loop is software-pipelined (``tl.range``: the sources of iteration i + STAGES - 1 are
 # copied into shared memory while those of iteration i are reduced), which keeps bytes in flight without
@@ -400,6 +405,136 @@ def _history_fwd_kernel(
         tl.store(rest_ptr + rest_offs + offs_b, out_b, mask=later & b_ok)
     kn = tl.arange(0, BLOCK_G)[None, :] * N * H + n[:, None] * H + head  # [BLOCK_N, BLOCK_G]
     tl.store(lse_ptr + kn, m + tl.log(l), mask=n_ok[:, None] & (tl.arange(0, BLOCK_G) < G)[None, :])
+
+
+@triton.jit
+def _stack_halves(a, b):
+    """[R, C] and [R, C] -> [2 R, C], the rows of ``a`` then those of ``b``. In a one-warp matrix product's
+    accumulator layout row r + R lies in the same thread as row r (R = 8 or 16), so ``_sum_halves``
+    splits them back without an element leaving its thread."""
+    R: tl.constexpr = a.shape[0]
+    C: tl.constexpr = a.shape[1]
+    return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), [2 * R, C])
+
+
+@triton.jit
+def _sum_halves(x):
+    """[2 R, C] -> [R, C]: row r plus row R + r."""
+    R: tl.constexpr = x.shape[0] // 2
+    C: tl.constexpr = x.shape[1]
+    return tl.sum(tl.reshape(x, [2, R, C]), axis=0)
+
+
+@triton.jit
+def _split(x, dt: tl.constexpr):
+    """fp32 ``x`` as hi + lo, both of dtype ``dt`` (lo is 0 when ``dt`` is fp32)."""
+    hi = x.to(dt)
+    return hi, (x - hi.to(tl.float32)).to(dt)
+
+
+# The shared pass as matrix products. For one token and one head, G sites over S sources is a small
+# attention: scores Z [G, S] = Q [G, head] X^T [head, S] (Q the sites' query rows, X the sources' rows)
+# and outputs O [G, head] = softmax_S(Z r) X. A program walks its tokens and, for each, the sources in
+# tiles of BLOCK_S rows (one tile when S <= BLOCK_S: ONE_TILE, no running softmax state), both products
+# on tensor cores; the loop runs over (token, tile) pairs, so that the pipeline copies the next token's
+# tiles while this one is reduced, and a token's last tile normalises and stores its outputs.
+# An fp32 operand (the query rows, the weights) is split into hi + lo parts of the sources' dtype, so
+# that the products carry about 16 bits of it (a weight rounded to bf16 alone moves an output by up to
+# 2^-9 of a term). The two parts are the two halves of one product's rows, [hi of the HALF sites; lo of
+# them], so that one product does both and the halves are summed inside each thread (``_sum_halves``).
+# fp32 sources take fp32 products, with lo = 0.
+@triton.jit(do_not_specialize=["N", "S", "G", "tokens_per_program"])
+def _history_fwd_dot_kernel(
+    src_ptr, rms_ptr, qg_ptr, out0_ptr, rest_ptr, lse_ptr,
+    N, S, G, stride_s, tokens_per_program,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
+    BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, HALF: tl.constexpr, BLOCK_S: tl.constexpr,
+    STAGES: tl.constexpr, ONE_TILE: tl.constexpr, PTX: tl.constexpr,
+):
+    head = tl.program_id(1)
+    first_tok = tl.program_id(0).to(tl.int64) * tokens_per_program
+    k = tl.arange(0, HALF)[:, None]  # [HALF, 1] site
+    ja = tl.arange(0, DA)[None, :]
+    jb = tl.arange(0, BLOCK_DB)[None, :]
+    col_a = head * DH + ja
+    col_b = head * DH + DA + jb
+    b_ok = jb < DB
+    dt = src_ptr.dtype.element_ty
+    PREC: tl.constexpr = "ieee" if dt == tl.float32 else "tf32"  # (tf32: ignored for 16-bit operands)
+    # The query operand, [2 HALF, .]: row i holds site i % HALF, its hi part in the first half, its lo in the
+    # second (built elementwise: stacked with _stack_halves, its layout kept the sources' loads out of the
+    # pipeline).
+    i = tl.arange(0, 2 * HALF)[:, None]
+    q_site = (i % HALF) * D
+    q_hi, q_lo = _split(tl.load(qg_ptr + q_site + col_a, mask=i % HALF < G, other=0.0), dt)
+    q_a = tl.where(i < HALF, q_hi, q_lo)
+    q_b = tl.zeros([2 * HALF, BLOCK_DB], dt)  # (a placeholder without HAS_B)
+    if HAS_B:
+        q_hi, q_lo = _split(tl.load(qg_ptr + q_site + col_b, mask=(i % HALF < G) & b_ok, other=0.0), dt)
+        q_b = tl.where(i < HALF, q_hi, q_lo)
+    si = tl.arange(0, BLOCK_S)
+    if ONE_TILE:
+        tiles = 1
+    else:
+        tiles = tl.cdiv(S, BLOCK_S)
+    stride = tl.cast(stride_s, tl.int64)
+    m = tl.full([HALF], float("-inf"), tl.float32)
+    l = tl.zeros([HALF], tl.float32)
+    acc_a = tl.zeros([2 * HALF, DA], tl.float32)
+    acc_b = tl.zeros([2 * HALF, BLOCK_DB], tl.float32)
+    for it in tl.range(0, tokens_per_program * tiles, num_stages=STAGES):
+        t = it // tiles
+        j = it - t * tiles
+        tok = first_tok + t
+        row = tl.minimum(tok, N - 1) * D  # past the last token: recompute it, store nothing
+        s = j * BLOCK_S + si  # [BLOCK_S] sources
+        s_ok = s < S
+        rows = s.to(tl.int64)[:, None] * stride + row
+        x_a = tl.load(src_ptr + rows + col_a, mask=s_ok[:, None], other=0.0)  # [BLOCK_S, DA]
+        u = tl.dot(q_a, tl.trans(x_a), input_precision=PREC)  # [2 HALF, BLOCK_S]
+        x_b = x_a
+        if HAS_B:
+            x_b = tl.load(src_ptr + rows + col_b, mask=s_ok[:, None] & b_ok, other=0.0)
+            u = tl.dot(q_b, tl.trans(x_b), u, input_precision=PREC)
+        r = tl.load(rms_ptr + s.to(tl.int64) * N + row // D, mask=s_ok, other=0.0)
+        z = tl.where(s_ok[None, :], _sum_halves(u) * r[None, :], float("-inf"))  # [HALF, BLOCK_S]
+        if ONE_TILE:
+            m = tl.max(z, axis=1)
+            p = ptx.exp(z - m[:, None], PTX)
+            l = tl.sum(p, axis=1)
+            p_hi, p_lo = _split(p, dt)
+            weights = _stack_halves(p_hi, p_lo)
+            acc_a = tl.dot(weights, x_a, input_precision=PREC)
+            if HAS_B:
+                acc_b = tl.dot(weights, x_b, input_precision=PREC)
+        else:
+            # A token's first tile starts the softmax afresh: exp(-inf) = 0 clears the accumulators.
+            m = tl.where(j == 0, float("-inf"), m)
+            m_new = tl.maximum(m, tl.max(z, axis=1))  # finite: a tile holds at least one source
+            alpha = ptx.exp(m - m_new, PTX)[:, None]
+            p = ptx.exp(z - m_new[:, None], PTX)
+            l = l * tl.reshape(alpha, [HALF]) + tl.sum(p, axis=1)
+            alpha = _stack_halves(alpha, alpha)  # [2 HALF, 1]
+            p_hi, p_lo = _split(p, dt)
+            weights = _stack_halves(p_hi, p_lo)
+            acc_a = tl.dot(weights, x_a, acc_a * alpha, input_precision=PREC)
+            if HAS_B:
+                acc_b = tl.dot(weights, x_b, acc_b * alpha, input_precision=PREC)
+            m = m_new
+        if (j == tiles - 1) & (tok < N):
+            inv_l = (1.0 / l)[:, None]
+            at = tok * D
+            rest = rest_ptr + (k.to(tl.int64) - 1) * N * D + at
+            later = (k > 0) & (k < G)
+            out_a = (_sum_halves(acc_a) * inv_l).to(out0_ptr.dtype.element_ty)
+            tl.store(out0_ptr + at + col_a + k * 0, out_a, mask=(k == 0) & (ja >= 0))
+            tl.store(rest + col_a, out_a, mask=later & (ja >= 0))
+            if HAS_B:
+                out_b = (_sum_halves(acc_b) * inv_l).to(out0_ptr.dtype.element_ty)
+                tl.store(out0_ptr + at + col_b + k * 0, out_b, mask=(k == 0) & b_ok)
+                tl.store(rest + col_b, out_b, mask=later & b_ok)
+            kk = tl.arange(0, HALF)
+            tl.store(lse_ptr + kk * N * H + tok * H + head, m + tl.log(l), mask=kk < G)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -511,6 +646,36 @@ def sites_forward(sources: Tensor, qg: Tensor, num_heads: int, eps: float, out: 
     launch(_sites_fwd_kernel, (N,), args, meta, sources.device)
 
 
+# The matrix-product form of the shared pass (``_history_fwd_dot_kernel``), used where a head's blocks are
+# wide enough for ``tl.dot``: tokens a program, warps, pipeline stages, and the most sources a tile (a
+# tile is the next power of two >= S, at least 16, up to that). None (benchmarks): the reductions' form
+# everywhere. Measured on the H200 (benchmarks/bench_history.py, G = 4, docs/benchmarks.md "tenth
+# round"): 76-85 % of copy at S = 16, 32 and 64 against 36-50 % for the reductions, and within 8 % of the
+# best of five configurations at every S measured. On the interpreter:
+# three tokens a program, so that tests walk a program's token loop and a last program past the last token.
+HISTORY_DOT_CONFIG: tuple[int, int, int, int] | None = (32, 1, 3, 32)
+_INTERPRETER_DOT_CONFIG = (3, 1, 1, 16)
+# From how many sources the products' form is used, for heads of a power-of-two width and for split heads:
+# a tile is at least 16 sources, and below these counts the reductions' form measured faster (at S = 4:
+# 0.070 against 0.089 ms at paper350m; at S = 8 with the split head of paper1b, 0.117 against 0.121).
+HISTORY_DOT_MIN_S = (8, 12)
+
+
+def _history_dot_forward(sources: Tensor, rms: Tensor, qg: Tensor, meta: dict, out: Tensor, rest: Tensor,
+                         lse: Tensor) -> None:
+    S, N, d = sources.shape
+    G = qg.shape[0]
+    cpu = sources.device.type == "cpu"
+    tokens, warps, stages, max_s = _INTERPRETER_DOT_CONFIG if cpu else HISTORY_DOT_CONFIG
+    block_s = min(max_s, max(16, triton.next_power_of_2(S)))
+    meta.update(HALF=max(8, _block_g(G)), BLOCK_S=block_s, STAGES=stages, ONE_TILE=S <= block_s,
+                PTX=ptx.use_ptx(sources.device))
+    if not cpu:
+        meta["num_warps"] = warps
+    launch(_history_fwd_dot_kernel, (triton.cdiv(N, tokens), meta["H"]),
+           (sources, rms, qg, out, rest, lse, N, S, G, N * d, tokens), meta, sources.device)
+
+
 def history_forward(sources: Tensor, rms: Tensor, qg: Tensor, num_heads: int, out: Tensor, rest: Tensor,
                     lse: Tensor) -> None:
     """``sites_forward`` for G > 1 sites, tiled by head: reads the sources' RMS from ``rms`` (S, N)."""
@@ -520,6 +685,9 @@ def history_forward(sources: Tensor, rms: Tensor, qg: Tensor, num_heads: int, ou
         return
     block_g = _block_g(G)
     meta = head_meta(d, num_heads, has_b=True)
+    if HISTORY_DOT_CONFIG is not None and products_fit(meta) and S >= max(1, HISTORY_DOT_MIN_S[meta["HAS_B"]]):
+        _history_dot_forward(sources, rms, qg, meta, out, rest, lse)
+        return
     block_n, options = _history_config("fwd_split" if meta["HAS_B"] else "fwd", block_g, sources.device)
     meta.update(BLOCK_G=block_g, BLOCK_N=block_n, PTX=ptx.use_ptx(sources.device), **options)
     launch(_history_fwd_kernel, (triton.cdiv(N, block_n), num_heads),

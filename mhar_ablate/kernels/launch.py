@@ -3,7 +3,8 @@
 * ``launch``: run a ``@triton.jit`` kernel on CUDA tensors, or through Triton's interpreter on CPU
   tensors whether or not ``TRITON_INTERPRET=1`` was set before triton was imported (use fp32 there: the
   interpreter's bf16 arithmetic is not faithful).
-* ``head_meta`` / ``tile_width``: the head split every kernel uses. Block shapes must be powers of two,
+* ``head_meta`` / ``tile_width``: the head split every kernel uses (``products_fit``: whether its blocks
+  are wide enough for ``tl.dot``). Block shapes must be powers of two,
   and padding a head width such as 160 (d = 1280, H = 8) up to 256 wastes 37.5 % of the registers and
   lanes, so each head of width DH is split into a part of DA channels (the largest power of two <= DH)
   and a rest of DB = DH - DA channels, each its own block (160 = 128 + 32). When DH is a power of two the
@@ -21,7 +22,7 @@ import functools
 import torch
 import triton
 
-__all__ = ["launch", "head_meta", "tile_width", "num_sms", "resident_programs", "persistent_programs", "RESIDENT"]
+__all__ = ["launch", "head_meta", "products_fit", "tile_width", "num_sms", "resident_programs", "persistent_programs", "RESIDENT"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -95,6 +96,11 @@ def head_meta(d: int, num_heads: int, *, has_b: bool = False) -> dict:
     if has_b:
         meta["HAS_B"] = db > 0
     return meta
+
+
+def products_fit(meta: dict) -> bool:
+    """Whether a head's blocks (``head_meta``'s DA and, with HAS_B, BLOCK_DB) are wide enough for ``tl.dot``."""
+    return meta["DA"] >= 16 and (not meta["HAS_B"] or meta["BLOCK_DB"] >= 16)
 
 
 def tile_width(d: int, num_heads: int) -> int:
