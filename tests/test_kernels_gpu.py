@@ -229,8 +229,8 @@ HISTORY_SHAPES = [  # S, N, d, H, G
 # The shared pass's forms: the reductions' (2 or 4 sources an iteration, whatever the launch table picks) and
 # the matrix products' (TOKENS, WARPS, STAGES, MAX_S: tiles of 16 sources, so that S = 33 and 73 take the
 # running softmax over several tiles; 32 and 64, one tile for most S; a program's tokens leaving the last
-# program part-filled).
-HISTORY_FORMS = [("reductions", 2), ("reductions", 4), ("dot", (16, 1, 3, 16)), ("dot", (16, 1, 3, 32)),
+# program part-filled; "table": the launch table's own).
+HISTORY_FORMS = [("reductions", 2), ("reductions", 4), ("dot", (16, 1, 3, 16)), ("dot", "table"),
                  ("dot", (5, 1, 2, 64))]
 
 
@@ -246,7 +246,8 @@ def test_history_forward_matches_float64(dtype, S, N, d, H, G, form, monkeypatch
         monkeypatch.setattr(history, "HISTORY_CONFIG", table)
         monkeypatch.setattr(history, "HISTORY_DOT_CONFIG", None)
     else:
-        monkeypatch.setattr(history, "HISTORY_DOT_CONFIG", config)
+        if config != "table":
+            monkeypatch.setattr(history, "HISTORY_DOT_CONFIG", config)
         monkeypatch.setattr(history, "HISTORY_DOT_MIN_S", (0, 0))
     src, qg, _ = site_inputs(S, N, d, G, dtype, seed=S * 100 + N)
     truth = [oracle_site(src, qg[k], H) for k in range(G)]

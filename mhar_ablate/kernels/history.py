@@ -20,9 +20,9 @@ Two families of kernels:
   sites over full rows took 53 ms a step against 25 ms for one pass per site); a head's [G, d/H] tile is
   the size of one site's row. The RMS statistic spans all heads, so these kernels read it from ``rms``
   (written once per source by ``write_slot``). Two forms: for a token, G sites over S sources is a small
-  attention whose two products run on tensor cores (``_history_fwd_dot_kernel``, S >= 8 and heads wide
-  enough for ``tl.dot``); fewer sources, or narrow heads, take one token tile a program with every
-  product a sum across lanes (``_history_fwd_kernel``).
+  attention whose two products run on tensor cores (``_history_fwd_dot_kernel``, from
+  ``HISTORY_DOT_MIN_S`` sources on, heads wide enough for ``tl.dot``); fewer sources, or narrow heads,
+  take one token tile a program with every product a sum across lanes (``_history_fwd_kernel``).
 
 Math (per site k, r = rsqrt(mean_c s_c^2 + eps), u_k = <s_h, qg_k,h>, z = r u):
 

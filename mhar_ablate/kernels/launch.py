@@ -22,7 +22,8 @@ import functools
 import torch
 import triton
 
-__all__ = ["launch", "head_meta", "products_fit", "tile_width", "num_sms", "resident_programs", "persistent_programs", "RESIDENT"]
+__all__ = ["launch", "head_meta", "products_fit", "tile_width", "num_sms", "resident_programs", "persistent_programs",
+           "RESIDENT"]
 
 
 # ----------------------------------------------------------------------------------------------------------
