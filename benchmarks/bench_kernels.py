@@ -25,7 +25,9 @@ Bytes per call (e = bytes of an element of the buffer, U = N·d·e one source):
 - column (a pass over S sites, ``column.slot_passes``): the slot U, the S output gradients S U, the gradient
   U; the sites' log-sum-exps and deltas read, dz·r written: 3·S·N·H·4. A two-slot pass also reads the
   lower slot U and writes its dz·r, S·N·H·4, and its carry, N·(d + H)·4, which the lower slot's own pass
-  (over the sites that read it alone) reads back.
+  (over the sites that read it alone) reads back. A group pass of B slots (``column_group``, before its
+  top slot's own pass) reads the B slots and their RMS, B U, the S output gradients, S U, and their
+  statistics, 2·S·N·H·4, and writes dz·r for every (site, slot), S·B·N·H·4, and B carries.
 - block_fwd, block_bwd (``block:4``'s sites that read their block's partial sum, 42 at ``paper350m``): the
   merge reads the partial state, the sum before and the block's last output and writes the new sum and the
   output, 5 U; the backward reads the output gradient, the output, the sum and the gradient the later sums
@@ -108,8 +110,9 @@ class Step:
         self.dqg = torch.zeros((n, d), dtype=torch.float32, device=device)
         self.dzr = torch.randn(kernels["column"].dzr_rows(n, n, 1) * H * N, generator=gen, device=device)
         self.copy = torch.empty((n, N, d), dtype=dtype, device=device)
-        self.carry_acc = torch.empty((N, d), dtype=torch.float32, device=device)
-        self.carry_dr = torch.empty((N, H), dtype=torch.float32, device=device)
+        rows = 16 if hasattr(kernels["column"], "group_slots") else None  # an earlier column module: 2-D carries
+        self.carry_acc = torch.empty((rows, N, d) if rows else (N, d), dtype=torch.float32, device=device)
+        self.carry_dr = torch.empty((rows, N, H) if rows else (N, H), dtype=torch.float32, device=device)
         # The statistics a real forward leaves: run the forward passes once with the default kernels.
         for fn, _ in self.calls("history_fwd", kernels) + self.calls("sites_fwd", kernels):
             fn()
@@ -200,18 +203,40 @@ class Step:
                 return out
             carry = column.Carry(self.carry_acc, self.carry_dr)
             n = self.n_sites
-            for p in column.slot_passes(n, n, 1, column.pairs_slots(d)):
+            groups = [column.group_slots(d, H)] if hasattr(column, "group_slots") else []
+            for p in column.slot_passes(n, n, 1, column.pairs_slots(d), *groups):
                 S = len(p.sites)
                 moved = (S + 2) * U + N * 4 + S * stats
                 if p.low:  # the lower slot and its RMS read, its dz * r written, its carry written
                     moved += U + N * 4 + S * N * H * 4 + N * (d + H) * 4
                 if p.carried:  # the carry read
                     moved += N * (d + H) * 4
+                if getattr(p, "group", None) is not None:  # the group pass before this slot's own
+                    B, S = len(p.group), n - p.slot
+                    moved += B * (U + N * 4) + S * U + 2 * S * N * H * 4 + S * B * N * H * 4 + B * N * (d + H) * 4
 
                 def run(p=p):
                     grad = column.run_pass(p, self.buffer, self.rms, self.copy, self.lse, self.delta, self.qg, H, 1,
                                            self.dzr, carry)
                     return (grad,)
+
+                out.append((run, moved))
+        elif kind == "column_groups":  # the column passes' group passes alone (``column_group``)
+            if not hasattr(column, "group_slots"):
+                return out
+            from mhar_ablate.kernels.column_group import group_pass
+
+            n, stats = self.n_sites, 2 * N * H * 4  # per site: its log-sum-exps and deltas read
+            for p in column.slot_passes(n, n, 1, column.pairs_slots(d), column.group_slots(d, H)):
+                if p.group is None:
+                    continue
+                B, S = len(p.group), n - p.slot
+                moved = B * (U + N * 4) + S * (U + stats) + S * B * N * H * 4 + B * N * (d + H) * 4
+
+                def run(p=p):
+                    group_pass(self.buffer, self.rms, self.copy, self.lse, self.delta, self.qg, H, p.group,
+                               range(p.slot, self.n_sites), self.n_sites, 1, self.dzr, self.carry_acc, self.carry_dr)
+                    return (self.carry_acc[:len(p.group)],)
 
                 out.append((run, moved))
         elif kind == "query_grad":  # one product over every slot of the step
@@ -223,7 +248,8 @@ class Step:
         return out
 
 
-KINDS = ("write_slot", "history_fwd", "sites_fwd", "sites_bwd", "column", "query_grad", "block_fwd", "block_bwd")
+KINDS = ("write_slot", "history_fwd", "sites_fwd", "sites_bwd", "column", "column_groups", "query_grad", "block_fwd",
+         "block_bwd")
 
 
 def time_calls(calls, device, reps: int = 10) -> float:
@@ -273,6 +299,10 @@ def main() -> int:
     p.add_argument("--two-slot-configs", default="",
                    help="'TOKENS,WARPS,STAGES;...' for the column kernel's passes over two slots")
     p.add_argument("--one-slot", action="store_true", help="also time the column passes one slot a pass")
+    p.add_argument("--group-slots", default="", help="'K;...': the column passes planned with group passes of at "
+                   "most K slots (0: none, the two-slot plan)")
+    p.add_argument("--group-configs", default="",
+                   help="'TOKENS,WARPS,STAGES,MAX_S;...' for the column passes' group pass")
     p.add_argument("--history-configs", default="",
                    help="'G:TOKENS,WARPS,STAGES,SOURCES;...' for the head-tiled forward")
     p.add_argument("--history-dot", default="",
@@ -293,7 +323,7 @@ def main() -> int:
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     device = torch.device(args.device)
-    from mhar_ablate.kernels import column, history
+    from mhar_ablate.kernels import column, column_group, history
 
     current = {"history": history, "column": column}
     prev = None
@@ -312,6 +342,8 @@ def main() -> int:
 
         def record(kind, label, kernels, check=None):
             calls = step.calls(kind, kernels)
+            if not calls:  # (no group passes at this width, or in an earlier column module)
+                return None
             t0 = time.perf_counter()
             ms = time_calls(calls, device)
             err = None
@@ -329,7 +361,7 @@ def main() -> int:
             for kind in KINDS:
                 record(kind, "default", current)
         reference = {k: outputs(step.calls(k, current))
-                     for k in ("write_slot", "history_fwd", "sites_bwd", "column", "query_grad")}
+                     for k in ("write_slot", "history_fwd", "sites_bwd", "column", "column_groups", "query_grad")}
         # the merges move their log-sum-exps in place: nothing fixed to compare
         reference["sites_fwd"] = reference["block_fwd"] = None
         reference["block_bwd"] = outputs(step.calls("block_bwd", current))
@@ -337,13 +369,18 @@ def main() -> int:
         saved = (column.COLUMN_CONFIG, column.QUERY_GRAD_CONFIG, column.COLUMN_MAXNREG,
                  {k: dict(v) for k, v in history.HISTORY_CONFIG.items()}, history.WRITE_SLOT_CONFIG,
                  history.ROW_WARPS, column.TWO_SLOT_CONFIG, column.TWO_SLOTS, history.ROW_MAXNREG,
-                 history.ROW_BWD_STAGES, dict(history.ROW_BWD_CONFIG), history.HISTORY_DOT_CONFIG)
+                 history.ROW_BWD_STAGES, dict(history.ROW_BWD_CONFIG), history.HISTORY_DOT_CONFIG,
+                 column.GROUP_SLOTS, column_group.GROUP_CONFIG)
         variants = [("column", "prev", prev, None)] if prev is not None else []
         variants += [("column", f"col {c}", current, ("col", c)) for c in parse_configs(args.column_configs, False)]
         variants += [("column", f"two-slot {c}", current, ("two", c))
                      for c in parse_configs(args.two_slot_configs, False)]
         if args.one_slot:
             variants.append(("column", "one slot a pass", current, ("one-slot", None)))
+        variants += [(kind, f"groups of <= {k[0]}", current, ("groups", k[0]))
+                     for k in parse_configs(args.group_slots, False) for kind in ("column", "column_groups")]
+        variants += [(kind, f"group {c}", current, ("group", c)) for c in parse_configs(args.group_configs, False)
+                     for kind in ("column", "column_groups")]
         variants += [("query_grad", f"qg {c}", current, ("qg", c)) for c in parse_configs(args.query_configs, False)]
         variants += [("write_slot", f"write {c}", current, ("write", c))
                      for c in parse_configs(args.write_configs, False)]
@@ -369,7 +406,11 @@ def main() -> int:
             elif what == "two":
                 column.TWO_SLOT_CONFIG = cfg
             elif what == "one-slot":
-                column.TWO_SLOTS = False
+                column.TWO_SLOTS, column.GROUP_SLOTS = False, 0
+            elif what == "groups":
+                column.GROUP_SLOTS = cfg
+            elif what == "group":  # TOKENS, WARPS, STAGES, MAX_S
+                column_group.GROUP_CONFIG = cfg
             elif what == "qg":
                 column.QUERY_GRAD_CONFIG = cfg
             elif what == "write":
@@ -394,6 +435,7 @@ def main() -> int:
             (history.WRITE_SLOT_CONFIG, history.ROW_WARPS, column.TWO_SLOT_CONFIG, column.TWO_SLOTS,
              history.ROW_MAXNREG, history.ROW_BWD_STAGES) = saved[4:10]
             history.ROW_BWD_CONFIG, history.HISTORY_DOT_CONFIG = dict(saved[10]), saved[11]
+            column.GROUP_SLOTS, column_group.GROUP_CONFIG = saved[12:14]
 
         if args.profile:
             import torch.cuda.nvtx as nvtx

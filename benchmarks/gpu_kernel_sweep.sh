@@ -12,8 +12,8 @@
 # WRITE='TOKENS,WARPS;...' sweeps write_slot, ROWS='W;...' the row kernels' warps, TWO='TOKENS,WARPS,STAGES;...'
 # the column kernel's passes over two slots; ROWSTAGES='S[,CAP];...' the backward row kernel's pipeline depth;
 # DOT='TOKENS,WARPS,STAGES,MAX_S;...' the head-tiled forward's matrix-product form; ONE=1 times the
-# column passes one slot a pass too; TESTS=0 skips
-# the tests.
+# column passes one slot a pass too; GROUPSLOTS='K;...' plans the column passes with group passes of at most K
+# slots (0: none), GROUP='TOKENS,WARPS,STAGES,MAX_S;...' sweeps the group pass; TESTS=0 skips the tests.
 set -uo pipefail
 OUT=${OUT:-gpu-kernels}
 mkdir -p "$OUT"
@@ -38,5 +38,5 @@ fi
 python3 benchmarks/bench_kernels.py --presets "${PRESETS:-paper350m}" --out "$OUT" ${PREV:+--prev "$PREV"} \
   --column-configs "${COL:-}" --history-configs "${HIST:-}" --history-dot "${DOT:-}" --query-configs "${QUERY:-}" \
   --write-configs "${WRITE:-}" --row-warps "${ROWS:-}" --two-slot-configs "${TWO:-}" --row-stages "${ROWSTAGES:-}" \
-  ${ONE:+--one-slot} 2>&1 \
+  --group-slots "${GROUPSLOTS:-}" --group-configs "${GROUP:-}" ${ONE:+--one-slot} 2>&1 \
   | tee "$OUT/bench_kernels.log"

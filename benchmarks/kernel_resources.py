@@ -33,7 +33,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from mhar_ablate.bench import markdown_table
-from mhar_ablate.kernels import column, history
+from mhar_ablate.kernels import column, column_group, history
 from mhar_ablate.kernels.launch import head_meta, products_fit
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -42,7 +42,7 @@ POINTERS = {  # argument: element type; the rest of the arguments are i32 or con
     "dx_ptr": "bf16", "dzr_ptr": "fp32", "y_ptr": "bf16", "ry_ptr": "fp32", "dzr_low_ptr": "fp32",
     "carry_ptr": "fp32", "carry_dr_ptr": "fp32", "src_ptr": "bf16", "out0_ptr": "bf16", "rest_ptr": "bf16",
     "part_ptr": "fp32", "dsrc_ptr": "bf16", "base_ptr": "bf16", "out_ptr": "bf16", "gcopy_ptr": "bf16",
-    "dqg_part_ptr": "fp32",
+    "dqg_part_ptr": "fp32", "acc_ptr": "fp32", "dr_ptr": "fp32",
 }
 FLOATS = {"eps"}
 ALIGNED = set(POINTERS) | {"stride_s"}  # 16-divisible, as the JIT sees them on a launch
@@ -160,6 +160,29 @@ def history_dot_rows(d: int, heads: int, block_g: int, configs: list[tuple], use
     return out
 
 
+def group_rows(d: int, heads: int, configs: list[tuple], use_ptx: bool) -> list[dict]:
+    """The backward by source over a group of slots (``column_group``) at the table's configuration and
+    ``configs`` (TOKENS, WARPS, STAGES, MAX_S), for groups of 8 and 16 slots, with a pass's sites in one
+    tile of MAX_S and over several."""
+    out = []
+    meta = head_meta(d, heads, has_b=True)
+    if not products_fit(meta):
+        return out
+    table = column_group.GROUP_CONFIGS[min(column_group.GROUP_CONFIGS, key=lambda w: (abs(w - d), w))]
+    for config in [table] + [c for c in configs if c != table]:
+        _, warps, stages, max_s = config
+        for block_b in (column_group.MAX_GROUP,):
+            for one_tile in (True, False):
+                fn_meta = {**meta, "BLOCK_B": block_b, "BLOCK_S": max_s, "STAGES": stages, "ONE_TILE": one_tile,
+                           "PTX": use_ptx}
+                fn = column_group._column_group_kernel
+                # a tile of one head's output-gradient rows (bf16) and the group's slot rows (bf16)
+                loop_bytes = (max_s + block_b) * (d // heads) * 2
+                name = f"{fn.fn.__name__} ({block_b} slots, {'one tile' if one_tile else 'tiles'})"
+                out.append(row(name, d, config, warps, compile_for_sm90(fn, fn_meta, warps), loop_bytes))
+    return out
+
+
 def row_bwd_rows(d: int, heads: int, stages: list[int]) -> list[dict]:
     """The backward row kernel (``history.sites_backward``) as training launches it: a site's prologue
     alone (S = 0) and a ``block:K`` site with its partial sum (S = 1, added to the later sums' gradient),
@@ -204,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="'TOKENS,WARPS,STAGES,SOURCES;...' for the head-tiled forward, beside the table's entry")
     p.add_argument("--history-dot", default="",
                    help="'TOKENS,WARPS,STAGES,MAX_S;...' for the head-tiled forward's matrix-product form")
+    p.add_argument("--group-configs", default="",
+                   help="'TOKENS,WARPS,STAGES,MAX_S;...' for the group pass of the backward by source")
+    p.add_argument("--only", default="", help="'column,history,dot,group,query,row': these kernels' rows only")
     p.add_argument("--query-configs", default="",
                    help="'SITES,TOKENS,WARPS,STAGES,PER_SM;...' for the query gradients, beside the table's")
     p.add_argument("--row-stages", default="1,3", help="'STAGES,...': the backward row kernel's pipeline depths")
@@ -217,14 +243,26 @@ def main(argv: list[str] | None = None) -> int:
     fwd_configs = [tuple(int(v) for v in c.split(",")) for c in args.history_configs.split(";") if c.strip()]
     query_configs = [tuple(int(v) for v in c.split(",")) for c in args.query_configs.split(";") if c.strip()]
     dot_configs = [tuple(int(v) for v in c.split(",")) for c in args.history_dot.split(";") if c.strip()]
+    group_configs = [tuple(int(v) for v in c.split(",")) for c in args.group_configs.split(";") if c.strip()]
     block_g = triton.next_power_of_2(args.sites_per_pass)
+    ptx_forms = not args.portable
+    kinds = {
+        "column": lambda d: column_rows(d, args.heads, configs, ptx_forms),
+        "history": lambda d: history_rows(d, args.heads, block_g, fwd_configs, ptx_forms),
+        "dot": lambda d: history_dot_rows(d, args.heads, block_g, dot_configs, ptx_forms),
+        "group": lambda d: group_rows(d, args.heads, group_configs, ptx_forms),
+        "query": lambda d: query_rows(d, args.heads, query_configs),
+        "row": lambda d: row_bwd_rows(d, args.heads, [int(v) for v in args.row_stages.split(",") if v.strip()]),
+    }
+    only = [k for k in args.only.split(",") if k.strip()] or list(kinds)
+    unknown = sorted(set(only) - set(kinds))
+    if unknown:
+        print(f"kernel_resources.py: --only takes {', '.join(kinds)}, not {', '.join(unknown)}", file=sys.stderr)
+        return 2
     rows = []
     for d in (int(w) for w in args.widths.split(",")):
-        rows += (column_rows(d, args.heads, configs, not args.portable)
-                 + history_rows(d, args.heads, block_g, fwd_configs, not args.portable)
-                 + history_dot_rows(d, args.heads, block_g, dot_configs, not args.portable)
-                 + query_rows(d, args.heads, query_configs)
-                 + row_bwd_rows(d, args.heads, [int(v) for v in args.row_stages.split(",") if v.strip()]))
+        for kind in only:
+            rows += kinds[kind](d)
     print(f"triton {triton.__version__}, sm_90, H = {args.heads}{', portable forms' if args.portable else ''}")
     print(markdown_table(list(rows[0]), [[str(v) for v in r.values()] for r in rows]))
     return 0

@@ -65,6 +65,18 @@ def test_fused_matches_reference_in_fp32(kind, grouping, heads, d, layers, sites
     _assert_same(ref, fused)
 
 
+def test_fused_matches_reference_with_group_passes(monkeypatch):
+    """The backward by source with group passes (``kernels/column_group.py``, which the launch table takes
+    from d = 1024 on): 8 layers, 17 slots, of which a group of five is summed in one pass."""
+    from mhar_ablate.kernels import column
+
+    monkeypatch.setattr(column, "GROUP_SLOTS", 16)
+    passes = column.slot_passes(17, 17, 1, column.pairs_slots(64), column.group_slots(64, 2))
+    assert any(p.group is not None for p in passes)
+    ref, fused = _pair("mhar", "full", 2, 64, 8, 4)
+    _assert_same(ref, fused)
+
+
 def test_site_plans_cover_every_site_once_and_stay_inside_blocks():
     for sublayers, per_pass in ((1, 4), (4, 4), (6, 4), (2, 8)):
         plans = plan_sites(25, sublayers, per_pass)

@@ -153,7 +153,7 @@ def test_two_slot_passes_match_autograd(n_sites, block, N, d, H, config, monkeyp
     rms = _rms(src)
     dzr = torch.full((column.dzr_rows(slots, n_sites, block) * H * N,), float("nan"))
 
-    carry = column.Carry(torch.full((N, d), float("nan")), torch.full((N, H), float("nan")))
+    carry = column.Carry(torch.full((1, N, d), float("nan")), torch.full((1, N, H), float("nan")))
     passes = column.slot_passes(slots, n_sites, block, two_slots=True)
     assert [p.slot for p in passes] == list(reversed(range(slots)))
     assert sum(p.low for p in passes) == slots // 2 == sum(p.carried for p in passes)
@@ -174,10 +174,118 @@ def test_a_carried_slot_whose_pass_above_did_not_run_reads_every_site():
     rms = _rms(src)
     truth, _ = column.slot_grad(src[0], rms[0], grad_out, lse, delta, qg, H)
     dzr = torch.empty(column.dzr_rows(2, S, 1) * H * N)
-    carry = column.Carry(torch.full((N, d), 1e3), torch.full((N, H), 1e3))
+    carry = column.Carry(torch.full((1, N, d), 1e3), torch.full((1, N, H), 1e3))
     (low, carried) = column.slot_passes(2, S, 1, two_slots=True)
     assert low.low and carried.carried
     got = column.run_pass(carried, src, rms, grad_out, lse, delta, qg, H, 1, dzr, carry, carried=False)
+    torch.testing.assert_close(got, truth)
+
+
+def _pairs_read(passes, n_sites, block):
+    """The (site, slot) pairs each planned pass sums, checking that every carried pass finds its carry: left
+    by an earlier pass and not overwritten since."""
+    read, rows = [], {}  # rows: carry row -> the slot whose sums it holds
+    for p in passes:
+        if p.group is not None:
+            top = p.group.stop - 1
+            read += [(s, j) for s in range(block * top, n_sites) for j in p.group]
+            rows = {j - p.group.start: j for j in p.group}
+        if p.carried:
+            assert rows.get(p.carry_row) == p.slot, (p, rows)
+            del rows[p.carry_row]
+        read += [(s, p.slot) for s in p.sites]
+        if p.low:
+            read += [(s, p.slot - 1) for s in p.sites]
+            rows[0] = p.slot - 1
+    return read
+
+
+@pytest.mark.parametrize("n_slots,n_sites,block", [(49, 49, 1), (73, 73, 1), (25, 25, 1), (7, 49, 8), (13, 49, 4),
+                                                   (5, 5, 1), (17, 33, 2)])
+def test_planned_passes_sum_every_site_slot_pair_once(n_slots, n_sites, block):
+    """Whatever the plan (one slot a pass, two, or groups), each site's share of each slot it reads is summed
+    exactly once, in passes that go down the slots as autograd does, each reading only sites whose output
+    gradients are known by then (those that read the slot); with groups the plan moves no more bytes than
+    the two-slot plan by the planner's byte model."""
+    def cost(passes):
+        total = 0
+        for p in passes:
+            if p.group is not None:  # the group pass: its slots and sites read, a carry written a slot
+                total += n_sites - block * p.slot + len(p.group) * (1 + column.CARRY_UNITS)
+            total += len(p.sites) + 2 + (column.CARRY_UNITS if p.carried else 0) + (1 + column.CARRY_UNITS) * p.low
+        return total
+
+    want = sorted((s, j) for j in range(n_slots) for s in range(block * j, n_sites))
+    plans = [column.slot_passes(n_slots, n_sites, block, two) for two in (False, True)]
+    plans += [column.slot_passes(n_slots, n_sites, block, two, 16) for two in (False, True)]
+    for passes in plans:
+        assert [p.slot for p in passes] == list(reversed(range(n_slots)))
+        assert all(min(p.sites, default=n_sites) >= block * p.slot for p in passes)
+        assert sorted(_pairs_read(passes, n_sites, block)) == want
+    assert cost(plans[3]) <= cost(plans[1])
+    if n_slots >= 17:
+        assert any(p.group is not None for p in plans[3])
+
+
+@pytest.mark.parametrize("n_sites,block,N,d,H", [
+    (17, 1, 5, 64, 2),  # head width 32; a group of 5 slots
+    (17, 1, 4, 96, 2),  # head width 48 = 32 + 16
+    (49, 4, 3, 64, 2),  # block:2 sites, 13 slots: a group of 5 over 33 sites, in tiles of 16
+])
+def test_group_passes_match_autograd(n_sites, block, N, d, H, monkeypatch):
+    """A step's backward by source planned with group passes (``column_group``: a group's slots summed over
+    the sites that read its top slot, then each slot finished from its carry by its own pass): every slot's
+    gradient and the query gradients, against autograd of the reference."""
+    monkeypatch.setattr(column, "GROUP_SLOTS", 16)
+    slots = (n_sites - 1) // block + 1
+    src, qg, grad_out = _inputs(slots, N, d, n_sites, seed=n_sites * 3 + d)
+    src64 = src.double().requires_grad_(True)
+    qg64 = qg.double().requires_grad_(True)
+    outs, lses = zip(*(_route(src64[:s // block + 1], qg64[s], H) for s in range(n_sites)))
+    loss = sum((o * g.double()).sum() for o, g in zip(outs, grad_out))
+    dsrc_ref, dqg_ref = torch.autograd.grad(loss, (src64, qg64))
+    lse = torch.stack([l.t() for l in lses]).detach().float().contiguous()
+    delta = torch.einsum("knhc,knhc->knh", grad_out.view(n_sites, N, H, -1),
+                         torch.stack(outs).detach().float().view(n_sites, N, H, -1)).contiguous()
+    rms = _rms(src)
+    dzr = torch.full((column.dzr_rows(slots, n_sites, block) * H * N,), float("nan"))
+    passes = column.slot_passes(slots, n_sites, block, True, column.group_slots(d, H, block))
+    groups = [p.group for p in passes if p.group is not None]
+    assert groups
+    carry = column.Carry.empty(max(map(len, groups)), N, d, H, "cpu")
+    carry.acc.fill_(float("nan"))
+    for p in passes:
+        dx = column.run_pass(p, src, rms, grad_out, lse, delta, qg, H, block, dzr, carry)
+        torch.testing.assert_close(dx, dsrc_ref[p.slot].float(), rtol=1e-4, atol=1e-4)
+    dqg = column.query_grads(dzr, src, H, n_sites, block)
+    torch.testing.assert_close(dqg, dqg_ref.float(), rtol=1e-4, atol=1e-4)
+
+
+def test_launch_table_takes_groups_for_full_grouping_from_d_1024():
+    """Group passes where they were measured faster: ``full`` grouping at d = 1024 and 1280; not at d = 512,
+    not for ``block:K``, not for heads too narrow for the products."""
+    assert column.group_slots(1024, 8) == column.group_slots(1280, 8) == 16
+    assert column.group_slots(512, 8) == 0
+    assert column.group_slots(1024, 8, block=8) == 0
+    assert column.group_slots(1024, 128) == 0  # heads of width 8
+
+
+def test_a_group_slot_whose_group_pass_did_not_run_reads_every_site(monkeypatch):
+    """``carried=False`` for a slot below a group's top (its group pass never ran): its own pass takes every
+    site that reads it and ignores the carry."""
+    monkeypatch.setattr(column, "GROUP_SLOTS", 16)
+    n, N, d, H = 17, 3, 64, 2
+    src, qg, grad_out = _inputs(n, N, d, n, seed=9)
+    lse = torch.randn(n, N, H)
+    delta = torch.randn(n, N, H)
+    rms = _rms(src)
+    passes = column.slot_passes(n, n, 1, True, column.group_slots(d, H))
+    below = next(p for p in passes if p.carried and p.group is None and p.carry_row > 0)
+    truth, _ = column.slot_grad(src[below.slot], rms[below.slot], grad_out[below.slot:], lse[below.slot:],
+                                delta[below.slot:], qg[below.slot:], H)
+    dzr = torch.empty(column.dzr_rows(n, n, 1) * H * N)
+    carry = column.Carry(torch.full((16, N, d), 1e3), torch.full((16, N, H), 1e3))
+    got = column.run_pass(below, src, rms, grad_out, lse, delta, qg, H, 1, dzr, carry, carried=False)
     torch.testing.assert_close(got, truth)
 
 

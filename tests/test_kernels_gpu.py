@@ -414,8 +414,46 @@ def test_two_slot_passes_match_float64(dtype, n_sites, block, N, d, H, config, m
     rms = rms_of(src)
     dzr = nan_like((column.dzr_rows(slots, n_sites, block) * H * N,), torch.float32)
 
-    carry = column.Carry(nan_like((N, d), torch.float32), nan_like((N, H), torch.float32))
+    carry = column.Carry(nan_like((1, N, d), torch.float32), nan_like((1, N, H), torch.float32))
     for p in column.slot_passes(slots, n_sites, block, column.pairs_slots(d)):
+        poison()
+        dx = column.run_pass(p, src, rms, grad_out, lse, delta, qg, H, block, dzr, carry)
+        assert dx.dtype == dtype
+        assert rel_err(dx, dsrc64[p.slot]) <= TOL[dtype], f"slot {p.slot}: {rel_err(dx, dsrc64[p.slot]):.2e}"
+    assert_qg_grad(column.query_grads(dzr, src, H, n_sites, block), dqg64, src, grad_out, dtype)
+
+
+GROUP_SHAPES = [  # n_sites, block, N, d, H: slot j read by sites block * j ..; the plan's groups in comments
+    (17, 1, 37, 1280, 8),  # head width 160 = 128 + 32: a group of 5
+    (25, 1, 70, 1024, 8),  # groups of 6 and 7
+    (49, 8, 19, 1024, 8),  # block:4 at paper350m's depth: a group of 3 over 33 sites
+    (73, 1, 20, 512, 8),  # paper1b's depth: seven groups, the lowest over 62 sites
+]
+
+
+@dtypes
+@pytest.mark.parametrize("n_sites,block,N,d,H", GROUP_SHAPES, ids=lambda v: str(v))
+@pytest.mark.parametrize("config", [None, (16, 4, 2, 16), (7, 8, 3, 32)], ids=["table", "16-site-tiles", "7-tokens"])
+def test_group_passes_match_float64(dtype, n_sites, block, N, d, H, config, monkeypatch):
+    """A step's backward by source as ``slot_passes`` plans it with group passes (``column_group``: a group's
+    slots summed over the sites that read its top slot, each slot finished from its carry by its own pass):
+    each slot's gradient and the query gradients, against autograd of the oracle; with the table's
+    configuration and with sites in tiles of 16 (several tiles a pass) or 7 tokens a program."""
+    from mhar_ablate.kernels import column, column_group
+
+    monkeypatch.setattr(column, "GROUP_SLOTS", 16)  # (the launch table takes none at d = 512)
+    if config is not None:
+        monkeypatch.setattr(column_group, "GROUP_CONFIG", config)
+    slots = (n_sites - 1) // block + 1
+    src, qg, grad_out = site_inputs(slots, N, d, n_sites, dtype, seed=n_sites * 7 + d)
+    dsrc64, dqg64, lse, delta = backward_truth(src, qg, grad_out, H, block)
+    rms = rms_of(src)
+    dzr = nan_like((column.dzr_rows(slots, n_sites, block) * H * N,), torch.float32)
+    passes = column.slot_passes(slots, n_sites, block, column.pairs_slots(d), column.group_slots(d, H, block))
+    assert any(p.group is not None for p in passes)
+    rows = max(len(p.group) for p in passes if p.group is not None)
+    carry = column.Carry(nan_like((rows, N, d), torch.float32), nan_like((rows, N, H), torch.float32))
+    for p in passes:
         poison()
         dx = column.run_pass(p, src, rms, grad_out, lse, delta, qg, H, block, dzr, carry)
         assert dx.dtype == dtype

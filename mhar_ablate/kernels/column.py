@@ -20,7 +20,12 @@ one transfer per pair plus two per slot (1,323 at that shape).
   output-gradient row and query row once for both, and leaves it in a carry; slot j - 1's own pass, when
   autograd reaches it, adds the sites that read it alone (CARRY). The output gradients are then read
   about half as often (843 instead of 1,323 source-sized transfers a step at the 350M shape).
-* ``_dqg_kernel``: those gradients, ``dqg[s, c] = sum_n dzr[h(c), s, n] * x[n, c]``, a matrix product
+* Group passes (``column_group``, where ``group_slots`` allows them): the sites that read a slot t read
+  every slot below it too, so one pass over them sums their share of a group of up to 16 slots t - B + 1
+  .. t as matrix products, reading each output gradient once for the group, and leaves a carry a slot;
+  each slot's own pass (CARRY) adds the sites that read it but not t. ``slot_passes`` chooses where to
+  cut the slots into groups, pairs and single slots by the bytes each moves.
+* ``_dqg_kernel``: the query gradients from ``dz * r``, ``dqg[s, c] = sum_n dzr[h(c), s, n] * x[n, c]``, a matrix product
   over tokens per head, on tensor cores (bf16 sources: ``dzr`` split into two bf16 parts, so the product
   keeps about 16 bits of it) or in fp32. The training path runs it once for every slot of a step
   (``query_grads``), when the last slot's gradient is done: a program takes one head (both parts of a
@@ -45,8 +50,8 @@ from torch import Tensor
 from . import ptx
 from .launch import device_index, head_meta, launch, num_sms, products_fit
 
-__all__ = ["column_backward", "slot_grad", "slot_passes", "pairs_slots", "SlotPass", "run_pass", "Carry", "Low",
-           "query_grads", "dzr_rows", "dzr_block"]
+__all__ = ["column_backward", "slot_grad", "slot_passes", "pairs_slots", "group_slots", "SlotPass", "run_pass",
+           "Carry", "Low", "query_grads", "dzr_rows", "dzr_block"]
 
 
 @triton.jit
@@ -397,6 +402,28 @@ def _nearest(table: dict, d: int):
     return table[min(table, key=lambda w: (abs(w - d), w))]
 
 
+# Group passes (``column_group``) by model width: the most slots one takes (``slot_passes`` chooses the
+# runs), 0 for none. Measured on the H200 (benchmarks/bench_kernels.py, a step's column passes of ``full``,
+# call M1; docs/benchmarks.md "eleventh round"): d = 1024 5.04 ms against 5.96 for two slots a pass,
+# d = 1280 11.4 against 17.5 one slot a pass; d = 512 2.26 against 1.92, so none there. Other widths take
+# the nearest. ``block:K`` groupings take none: at paper1b its replayed step went from 0.958x to 0.940x
+# with them (call M6). GROUP_SLOTS, when set (benchmarks, tests), overrides the table.
+GROUP_SLOTS_BY_WIDTH = {512: 0, 1024: 16, 1280: 16}
+GROUP_SLOTS: int | None = None
+
+
+def group_slots(d: int, num_heads: int, block: int = 1) -> int:
+    """The most slots a group pass may take at width ``d`` with ``num_heads`` heads, when slot j is read by
+    sites ``block * j`` .. (0: none)."""
+    from .column_group import MAX_GROUP, group_fits
+
+    if GROUP_SLOTS is not None:
+        most = GROUP_SLOTS
+    else:
+        most = _nearest(GROUP_SLOTS_BY_WIDTH, d) if block == 1 else 0
+    return min(most, MAX_GROUP) if most >= 3 and group_fits(d, num_heads) else 0
+
+
 def pairs_slots(d: int) -> bool:
     """Whether the backward by source takes two slots a pass at width ``d`` (``slot_passes``)."""
     return TWO_SLOTS and (TWO_SLOT_CONFIG is not None or _nearest(TWO_SLOT_CONFIGS, d) is not None)
@@ -415,11 +442,20 @@ def column_config(d: int, two_slots: bool = False) -> tuple[int, int, int]:
 
 
 class Carry(NamedTuple):
-    """A slot's sums over some of the sites that read it, before the part through its RMS statistic: what
-    the pass over the slot above leaves for the slot's own pass. ``acc`` (N, d) and ``dr`` (N, H) fp32."""
+    """Slots' sums over some of the sites that read them, before the part through their RMS statistics:
+    what a pass over several slots leaves for their own passes. ``acc`` (R, N, d) and ``dr`` (R, N, H) fp32,
+    one slot a row (``SlotPass.carry_row``); a two-slot pass uses row 0, a group pass rows 0 .. B - 1."""
 
     acc: Tensor
     dr: Tensor
+
+    def row(self, i: int) -> "Carry":
+        return Carry(self.acc[i], self.dr[i])
+
+    @staticmethod
+    def empty(rows: int, N: int, d: int, num_heads: int, device) -> "Carry":
+        return Carry(torch.empty((rows, N, d), dtype=torch.float32, device=device),
+                     torch.empty((rows, N, num_heads), dtype=torch.float32, device=device))
 
 
 class Low(NamedTuple):
@@ -495,30 +531,91 @@ def slot_grad(x: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta: Tens
 
 @dataclass(frozen=True)
 class SlotPass:
-    """One pass of a step's backward by source: slot ``slot``'s gradient from the sites ``sites``. With
-    ``low``, the pass also sums those sites' share of slot - 1 (which they read too) into a carry; with
-    ``carried``, the slot's share from its other sites comes from such a carry."""
+    """One pass of a step's backward by source: slot ``slot``'s gradient from the sites ``sites``.
+
+    With ``low``, the pass also sums those sites' share of slot - 1 (which they read too) into carry row 0.
+    With ``group`` (slots ending at ``slot``), a group pass first sums the share of every slot of the group
+    from the sites that read ``slot`` (``column_group``), one carry row a slot in order, and ``sites`` is
+    empty: this slot's gradient is its row finished. With ``carried``, the slot's share from its other sites
+    comes from carry row ``carry_row``, and ``sites`` are the rest."""
 
     slot: int
     sites: range
     low: bool = False
     carried: bool = False
+    group: range | None = None
+    carry_row: int = 0
 
 
-def slot_passes(n_slots: int, n_sites: int, block: int, two_slots: bool) -> list[SlotPass]:
+# The byte model that plans a step's passes, in units of one source (N x d in the buffer's dtype, bf16 in
+# training, so an fp32 carry counts 2): a pass reads its slot and each of its sites' output gradients once
+# and writes the slot's gradient; a carry is written once and read once. The statistics (N x H a site)
+# are left out.
+CARRY_UNITS = 2
+
+
+def _single_cost(S: int) -> int:
+    return S + 2
+
+
+def _pair_cost(S: int, block: int) -> int:
+    # the pass over both slots (the two slots, S gradients, a gradient and a carry written) and the lower
+    # slot's own pass (its slot, its block of sites, the carry read, its gradient)
+    return (S + 3 + CARRY_UNITS) + (block + 2 + CARRY_UNITS)
+
+
+def _group_cost(S: int, B: int, block: int) -> int:
+    # the group pass (B slots, S gradients, B carries written), then each slot's own pass (its slot, the
+    # carry read, its gradient, and the sites that read it but not the top slot: block * k for the k-th
+    # slot below the top)
+    return (S + B + CARRY_UNITS * B) + B * (2 + CARRY_UNITS) + block * B * (B - 1) // 2
+
+
+def slot_passes(n_slots: int, n_sites: int, block: int, two_slots: bool, max_group: int = 0) -> list[SlotPass]:
     """The passes of a step's backward by source, in the order autograd reaches the slots (the last
-    first), when slot j is read by sites ``block * j`` .. ``n_sites - 1``. With ``two_slots`` (take
-    ``pairs_slots(d)``) every odd slot's pass takes the even slot below it: the sites that read both are
-    read once for the two, and the lower slot's own pass reads only the ``block`` sites that read it alone
-    (whose output gradients are not known yet when the pass above runs). This reads the output gradients
-    about half as often as one pass a slot."""
-    passes = []
-    for j in reversed(range(n_slots)):
-        first = block * j
-        if two_slots and j % 2 == 0 and j + 1 < n_slots:
-            passes.append(SlotPass(j, range(first, first + block), carried=True))
+    first), when slot j is read by sites ``block * j`` .. ``n_sites - 1``.
+
+    Without groups (``max_group`` < 3), with ``two_slots`` (take ``pairs_slots(d)``) every odd slot's pass
+    takes the even slot below it: the sites that read both are read once for the two, and the lower slot's
+    own pass reads only the ``block`` sites that read it alone (whose output gradients are not known yet
+    when the pass above runs). This reads the output gradients about half as often as one pass a slot.
+
+    With ``max_group`` >= 3 (take ``group_slots(d, H, block)``), slots are cut into runs taken one slot a pass,
+    two (if ``two_slots``) or 3 .. ``max_group`` a group pass, the cut that moves the fewest bytes by the
+    byte model above: groups where many sites read the slots, which they then read once for the group."""
+    if max_group < 3:
+        passes = []
+        for j in reversed(range(n_slots)):
+            first = block * j
+            if two_slots and j % 2 == 0 and j + 1 < n_slots:
+                passes.append(SlotPass(j, range(first, first + block), carried=True))
+            else:
+                passes.append(SlotPass(j, range(first, n_sites), low=two_slots and j % 2 == 1))
+        return passes
+    # best[j]: the least cost of slots [0, j) and the size of the run that ends at j - 1
+    best = [(0, 0)] + [(0, 0)] * n_slots
+    for j in range(1, n_slots + 1):
+        S = n_sites - block * (j - 1)  # sites that read the run's top slot
+        options = [(best[j - 1][0] + _single_cost(S), 1)]
+        if two_slots and j >= 2:
+            options.append((best[j - 2][0] + _pair_cost(S, block), 2))
+        options += [(best[j - B][0] + _group_cost(S, B, block), B) for B in range(3, min(max_group, j) + 1)]
+        best[j] = min(options)
+    passes, j = [], n_slots
+    while j > 0:
+        size = best[j][1]
+        top, first = j - 1, block * (j - 1)
+        if size == 1:
+            passes.append(SlotPass(top, range(first, n_sites)))
+        elif size == 2:
+            passes.append(SlotPass(top, range(first, n_sites), low=True))
+            passes.append(SlotPass(top - 1, range(first - block, first), carried=True))
         else:
-            passes.append(SlotPass(j, range(first, n_sites), low=two_slots and j % 2 == 1))
+            group = range(j - size, j)
+            passes.append(SlotPass(top, range(first, first), group=group, carried=True, carry_row=size - 1))
+            passes += [SlotPass(u, range(block * u, first), carried=True, carry_row=u - group.start)
+                       for u in reversed(range(j - size, top))]
+        j -= size
     return passes
 
 
@@ -527,17 +624,23 @@ def run_pass(p: SlotPass, sources: Tensor, rms: Tensor, grad_out: Tensor, lse: T
     """Pass ``p`` of a step's backward (``slot_passes``) over the step's tensors: ``sources`` (slots, N, d)
     and ``rms`` (slots, N) as written in the forward; every site's ``grad_out`` (sites, N, d), ``lse`` and
     ``delta`` (sites, N, H), ``qg`` (sites, d); the step's flat ``dz * r`` (``dzr_block``); ``carry``, where
-    a two-slot pass leaves the lower slot's sums and a carried pass finds them (``carried`` False: the pass
-    above did not run, so the slot takes every site that reads it). Returns the slot's gradient (N, d)."""
+    a two-slot or group pass leaves the lower slots' sums and a carried pass finds them (``carried`` False:
+    the pass that would have left them did not run, so the slot takes every site that reads it). Returns
+    the slot's gradient (N, d)."""
     j, n_sites, N = p.slot, grad_out.shape[0], sources.shape[1]
     rows, sites, start, low = dzr_block(dzr, j, n_sites, block, num_heads, N), p.sites, None, None
-    if p.carried and carried:
-        rows, start = rows[:, :len(sites)], carry
+    if p.group is not None:
+        from .column_group import group_pass
+
+        group_pass(sources, rms, grad_out, lse, delta, qg, num_heads, p.group, range(block * j, n_sites), n_sites,
+                   block, dzr, carry.acc, carry.dr)
+    if p.carried and (carried or p.group is not None):
+        rows, start = rows[:, :len(sites)], carry.row(p.carry_row)
     elif p.carried:
         sites = range(block * j, n_sites)
     elif p.low:
         below = dzr_block(dzr, j - 1, n_sites, block, num_heads, N)[:, block:]
-        low = Low(sources[j - 1], rms[j - 1], below, carry)
+        low = Low(sources[j - 1], rms[j - 1], below, carry.row(0))
     at = slice(sites.start, sites.stop)
     grad, _ = slot_grad(sources[j], rms[j], grad_out[at], lse[at], delta[at], qg[at], num_heads, dzr=rows,
                         carry=start, low=low)

@@ -45,6 +45,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import ptx
+from .products import split, stack_halves, sum_halves
 from .launch import head_meta, launch, persistent_programs, products_fit, tile_width
 
 __all__ = ["write_slot", "sites_forward", "sites_backward", "history_forward", "add_row_sums"]
@@ -407,31 +408,6 @@ def _history_fwd_kernel(
     tl.store(lse_ptr + kn, m + tl.log(l), mask=n_ok[:, None] & (tl.arange(0, BLOCK_G) < G)[None, :])
 
 
-@triton.jit
-def _stack_halves(a, b):
-    """[R, C] and [R, C] -> [2 R, C], the rows of ``a`` then those of ``b``. In a one-warp matrix product's
-    accumulator layout row r + R lies in the same thread as row r (R = 8 or 16), so ``_sum_halves``
-    splits them back without an element leaving its thread."""
-    R: tl.constexpr = a.shape[0]
-    C: tl.constexpr = a.shape[1]
-    return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), [2 * R, C])
-
-
-@triton.jit
-def _sum_halves(x):
-    """[2 R, C] -> [R, C]: row r plus row R + r."""
-    R: tl.constexpr = x.shape[0] // 2
-    C: tl.constexpr = x.shape[1]
-    return tl.sum(tl.reshape(x, [2, R, C]), axis=0)
-
-
-@triton.jit
-def _split(x, dt: tl.constexpr):
-    """fp32 ``x`` as hi + lo, both of dtype ``dt`` (lo is 0 when ``dt`` is fp32)."""
-    hi = x.to(dt)
-    return hi, (x - hi.to(tl.float32)).to(dt)
-
-
 # The shared pass as matrix products. For one token and one head, G sites over S sources is a small
 # attention: scores Z [G, S] = Q [G, head] X^T [head, S] (Q the sites' query rows, X the sources' rows)
 # and outputs O [G, head] = softmax_S(Z r) X. A program walks its tokens and, for each, the sources in
@@ -441,7 +417,7 @@ def _split(x, dt: tl.constexpr):
 # An fp32 operand (the query rows, the weights) is split into hi + lo parts of the sources' dtype, so
 # that the products carry about 16 bits of it (a weight rounded to bf16 alone moves an output by up to
 # 2^-9 of a term). The two parts are the two halves of one product's rows, [hi of the HALF sites; lo of
-# them], so that one product does both and the halves are summed inside each thread (``_sum_halves``).
+# them], so that one product does both and the halves are summed inside each thread (``sum_halves``).
 # fp32 sources take fp32 products, with lo = 0.
 @triton.jit(do_not_specialize=["N", "S", "G", "tokens_per_program"])
 def _history_fwd_dot_kernel(
@@ -462,15 +438,15 @@ def _history_fwd_dot_kernel(
     dt = src_ptr.dtype.element_ty
     PREC: tl.constexpr = "ieee" if dt == tl.float32 else "tf32"  # (tf32: ignored for 16-bit operands)
     # The query operand, [2 HALF, .]: row i holds site i % HALF, its hi part in the first half, its lo in the
-    # second (built elementwise: stacked with _stack_halves, its layout kept the sources' loads out of the
+    # second (built elementwise: stacked with stack_halves, its layout kept the sources' loads out of the
     # pipeline).
     i = tl.arange(0, 2 * HALF)[:, None]
     q_site = (i % HALF) * D
-    q_hi, q_lo = _split(tl.load(qg_ptr + q_site + col_a, mask=i % HALF < G, other=0.0), dt)
+    q_hi, q_lo = split(tl.load(qg_ptr + q_site + col_a, mask=i % HALF < G, other=0.0), dt)
     q_a = tl.where(i < HALF, q_hi, q_lo)
     q_b = tl.zeros([2 * HALF, BLOCK_DB], dt)  # (a placeholder without HAS_B)
     if HAS_B:
-        q_hi, q_lo = _split(tl.load(qg_ptr + q_site + col_b, mask=(i % HALF < G) & b_ok, other=0.0), dt)
+        q_hi, q_lo = split(tl.load(qg_ptr + q_site + col_b, mask=(i % HALF < G) & b_ok, other=0.0), dt)
         q_b = tl.where(i < HALF, q_hi, q_lo)
     si = tl.arange(0, BLOCK_S)
     if ONE_TILE:
@@ -497,13 +473,13 @@ def _history_fwd_dot_kernel(
             x_b = tl.load(src_ptr + rows + col_b, mask=s_ok[:, None] & b_ok, other=0.0)
             u = tl.dot(q_b, tl.trans(x_b), u, input_precision=PREC)
         r = tl.load(rms_ptr + s.to(tl.int64) * N + row // D, mask=s_ok, other=0.0)
-        z = tl.where(s_ok[None, :], _sum_halves(u) * r[None, :], float("-inf"))  # [HALF, BLOCK_S]
+        z = tl.where(s_ok[None, :], sum_halves(u) * r[None, :], float("-inf"))  # [HALF, BLOCK_S]
         if ONE_TILE:
             m = tl.max(z, axis=1)
             p = ptx.exp(z - m[:, None], PTX)
             l = tl.sum(p, axis=1)
-            p_hi, p_lo = _split(p, dt)
-            weights = _stack_halves(p_hi, p_lo)
+            p_hi, p_lo = split(p, dt)
+            weights = stack_halves(p_hi, p_lo)
             acc_a = tl.dot(weights, x_a, input_precision=PREC)
             if HAS_B:
                 acc_b = tl.dot(weights, x_b, input_precision=PREC)
@@ -514,9 +490,9 @@ def _history_fwd_dot_kernel(
             alpha = ptx.exp(m - m_new, PTX)[:, None]
             p = ptx.exp(z - m_new[:, None], PTX)
             l = l * tl.reshape(alpha, [HALF]) + tl.sum(p, axis=1)
-            alpha = _stack_halves(alpha, alpha)  # [2 HALF, 1]
-            p_hi, p_lo = _split(p, dt)
-            weights = _stack_halves(p_hi, p_lo)
+            alpha = stack_halves(alpha, alpha)  # [2 HALF, 1]
+            p_hi, p_lo = split(p, dt)
+            weights = stack_halves(p_hi, p_lo)
             acc_a = tl.dot(weights, x_a, acc_a * alpha, input_precision=PREC)
             if HAS_B:
                 acc_b = tl.dot(weights, x_b, acc_b * alpha, input_precision=PREC)
@@ -526,11 +502,11 @@ def _history_fwd_dot_kernel(
             at = tok * D
             rest = rest_ptr + (k.to(tl.int64) - 1) * N * D + at
             later = (k > 0) & (k < G)
-            out_a = (_sum_halves(acc_a) * inv_l).to(out0_ptr.dtype.element_ty)
+            out_a = (sum_halves(acc_a) * inv_l).to(out0_ptr.dtype.element_ty)
             tl.store(out0_ptr + at + col_a + k * 0, out_a, mask=(k == 0) & (ja >= 0))
             tl.store(rest + col_a, out_a, mask=later & (ja >= 0))
             if HAS_B:
-                out_b = (_sum_halves(acc_b) * inv_l).to(out0_ptr.dtype.element_ty)
+                out_b = (sum_halves(acc_b) * inv_l).to(out0_ptr.dtype.element_ty)
                 tl.store(out0_ptr + at + col_b + k * 0, out_b, mask=(k == 0) & b_ok)
                 tl.store(rest + col_b, out_b, mask=later & b_ok)
             kk = tl.arange(0, HALF)

@@ -22,7 +22,9 @@ for backward). Here, per forward pass:
   keeps its output gradient (in a buffer of the same shape) and its ``delta``; a slot's writer, whose
   backward autograd runs once every site that reads the slot has run its own, computes the slot's whole
   gradient in one pass over those sites (``kernels.column``); an odd slot's pass also sums the share of
-  the slot below it from the same sites, so that slot's own pass reads only the sites that read it alone.
+  the slot below it from the same sites, so that slot's own pass reads only the sites that read it alone,
+  or, where ``kernels.column.slot_passes`` plans a group, the top slot's pass first sums the share of
+  every slot of the group from its sites (``kernels.column_group``), leaving the others a carry each.
   A block's partial sum, which is no slot, gets its gradient from the site that reads it, at once, added in
   that site's pass to the gradient the later sums passed back (so that no addition runs between kernels).
 - the routing parameters' gradients are summed into one (sites, d) buffer and handed to autograd once, by
@@ -281,14 +283,17 @@ class FusedState:
             rows = dzr_rows(self.buffer.shape[0], n, self.res.block_sublayers)
             self.dzr = torch.empty(rows * self.res.num_heads * self.N, dtype=torch.float32, device=dev)
             self.dzr_written = [False] * self.buffer.shape[0]
-            # The backward's passes by slot, and the carry a two-slot pass leaves for the slot below it.
-            from ...kernels.column import Carry, pairs_slots, slot_passes
+            # The backward's passes by slot, and the carries a pass over several slots leaves for the
+            # slots below its own.
+            from ...kernels.column import Carry, group_slots, pairs_slots, slot_passes
 
-            passes = slot_passes(self.buffer.shape[0], n, self.res.block_sublayers, pairs_slots(self.d))
+            H = self.res.num_heads
+            K = self.res.block_sublayers
+            passes = slot_passes(self.buffer.shape[0], n, K, pairs_slots(self.d), group_slots(self.d, H, K))
             self.passes = {p.slot: p for p in passes}
-            self.carry = Carry(torch.empty((self.N, self.d), dtype=torch.float32, device=dev),
-                               torch.empty((self.N, self.res.num_heads), dtype=torch.float32, device=dev))
-            self.carried: int | None = None  # the slot whose carry is in ``carry``
+            rows = max([len(p.group) for p in passes if p.group is not None] + [1])
+            self.carry = Carry.empty(rows, self.N, self.d, H, dev)
+            self.carried: set[int] = set()  # the slots whose sums are in ``carry``
 
     def _dzr_of(self, slot: int) -> Tensor:
         """Slot ``slot``'s (H, S, N) block of ``dzr``: dz * r of the S sites that read it."""
@@ -335,8 +340,11 @@ class FusedState:
         self.clean_from = min(self.clean_from, first)
         plan = self.passes[slot]
         grad = run_pass(plan, self.buffer, self.rms, self.grad_out, self.lse, self.delta, self.qg, self.res.num_heads,
-                        K, self.dzr, self.carry, carried=self.carried == slot)
-        self.carried = slot - 1 if plan.low else None
+                        K, self.dzr, self.carry, carried=slot in self.carried)
+        if plan.group is not None:
+            self.carried = set(plan.group) - {slot}
+        else:
+            self.carried = {slot - 1} if plan.low else self.carried - {slot}
         self.dzr_written[slot] = True
         return grad
 

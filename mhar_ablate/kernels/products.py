@@ -1,0 +1,40 @@
+"""Helpers of the routing kernels' matrix-product forms (``history._history_fwd_dot_kernel``,
+``column_group``): an fp32 operand as two parts of a 16-bit dtype, and the stacking of two [R, C] blocks
+as the halves of one product's rows.
+
+A product on tensor cores takes 16-bit operands. A query row or a softmax weight rounded to bf16 alone
+moves a score or an output by up to 2^-9 of a term; split into hi + lo parts (hi = x rounded, lo = the
+rest rounded) the two products carry about 16 bits of it. fp32 sources take fp32 products, and lo = 0.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["split", "stack_halves", "sum_halves"]
+
+
+@triton.jit
+def split(x, dt: tl.constexpr):
+    """fp32 ``x`` as hi + lo, both of dtype ``dt`` (lo is 0 when ``dt`` is fp32)."""
+    hi = x.to(dt)
+    return hi, (x - hi.to(tl.float32)).to(dt)
+
+
+@triton.jit
+def stack_halves(a, b):
+    """[R, C] and [R, C] -> [2 R, C], the rows of ``a`` then those of ``b``. In a one-warp matrix product's
+    accumulator layout row r + R lies in the same thread as row r (R = 8 or 16), so ``sum_halves``
+    splits them back without an element leaving its thread."""
+    R: tl.constexpr = a.shape[0]
+    C: tl.constexpr = a.shape[1]
+    return tl.reshape(tl.permute(tl.join(a, b), (2, 0, 1)), [2 * R, C])
+
+
+@triton.jit
+def sum_halves(x):
+    """[2 R, C] -> [R, C]: row r plus row R + r."""
+    R: tl.constexpr = x.shape[0] // 2
+    C: tl.constexpr = x.shape[1]
+    return tl.sum(tl.reshape(x, [2, R, C]), axis=0)
