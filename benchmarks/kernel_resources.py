@@ -12,11 +12,12 @@ beside this machine's and put it first on the path:
     PYTHONPATH=/tmp/t36:$PWD python3 benchmarks/kernel_resources.py --widths 512,1024,1280
 
 Rows: kernel, width d, launch configuration (the launch tables' entry for that width first; for the
-backward row kernel its pipeline depth and register cap; the shared pass's matrix-product form with a
-token's sources in one tile and in several), warps,
+backward row kernel its pipeline depth and register cap; the shared pass's matrix-product form and the
+backward's group pass, ``--group-configs``, with the sources or sites in one tile and in several), warps,
 registers, stack, shared memory, conversions in the loop, SASS instructions of the loop (the longest one
 closed by a backward branch) and those per byte of the rows one iteration of a warp reads. ``--portable``
-compiles the forms the interpreter runs instead of the inline PTX (``kernels/ptx.py``).
+compiles the forms the interpreter runs instead of the inline PTX (``kernels/ptx.py``); ``--only
+column,group`` (say) compiles those kernels alone.
 """
 
 from __future__ import annotations

@@ -405,9 +405,10 @@ def _nearest(table: dict, d: int):
 # Group passes (``column_group``) by model width: the most slots one takes (``slot_passes`` chooses the
 # runs), 0 for none. Measured on the H200 (benchmarks/bench_kernels.py, a step's column passes of ``full``,
 # call M1; docs/benchmarks.md "eleventh round"): d = 1024 5.04 ms against 5.96 for two slots a pass,
-# d = 1280 11.4 against 17.5 one slot a pass; d = 512 2.26 against 1.92, so none there. Other widths take
-# the nearest. ``block:K`` groupings take none: at paper1b its replayed step went from 0.958x to 0.940x
-# with them (call M6). GROUP_SLOTS, when set (benchmarks, tests), overrides the table.
+# d = 1280 11.4 against 17.5 one slot a pass; d = 512 2.11-2.32 against 1.92, so none there. Other widths
+# take the nearest. ``block:K`` groupings take none: with them block:4's routing kernels took 4.4 ms at
+# paper350m and 9.4 at paper1b (call M6) against 4.0 and 9.1 without (tenth round). GROUP_SLOTS, when set
+# (benchmarks, tests), overrides the table.
 GROUP_SLOTS_BY_WIDTH = {512: 0, 1024: 16, 1280: 16}
 GROUP_SLOTS: int | None = None
 

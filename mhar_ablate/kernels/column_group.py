@@ -37,9 +37,9 @@ from torch import Tensor
 
 from . import ptx
 from .launch import head_meta, launch, products_fit
-from .products import split
+from .products import head_columns, split
 
-__all__ = ["group_pass", "group_fits", "MAX_GROUP", "GROUP_CONFIG"]
+__all__ = ["group_pass", "group_fits", "MAX_GROUP", "MAX_HEAD_WIDTH", "GROUP_CONFIGS", "GROUP_CONFIG"]
 
 MAX_GROUP = 16  # slots a group pass takes at most: BLOCK_B, the rows of its products
 
@@ -68,11 +68,7 @@ def _column_group_kernel(
     # the pass's first site, s_top; acc_ptr, dr_ptr: the group's carries, (B, N, D) and (B, N, H) fp32.
     head = tl.program_id(1)
     first_tok = tl.program_id(0).to(tl.int64) * tokens_per_program
-    ja = tl.arange(0, DA)[None, :]
-    jb = tl.arange(0, BLOCK_DB)[None, :]
-    col_a = head * DH + ja
-    col_b = head * DH + DA + jb
-    b_ok = jb < DB
+    _, _, col_a, col_b, b_ok = head_columns(head, DH, DA, DB, BLOCK_DB)
     dt = x_ptr.dtype.element_ty
     SPLIT: tl.constexpr = dt != tl.float32
     PREC: tl.constexpr = "ieee" if dt == tl.float32 else "tf32"  # (tf32: ignored for 16-bit operands)
@@ -149,18 +145,25 @@ def _column_group_kernel(
 
 # Launch configuration by model width: tokens a program, warps, pipeline stages, sites a tile at most (a
 # tile is the next power of two >= S, at least 16, up to that). Measured on the H200 (a step's column
-# passes, benchmarks/bench_kernels.py, call M1): d = 1024 5.04 ms with (8, 4, 2, 64), 5.17-5.48 with four
-# others; d = 1280 11.4 ms with (16, 4, 3, 64), 12.2-14.9 with four others. Other widths take the nearest;
+# passes, benchmarks/bench_kernels.py, call M1): d = 1024 5.04 ms with (8, 4, 2, 64), 5.05-7.30 with five
+# others; d = 1280 11.4 ms with (16, 4, 3, 64), 12.2-14.9 with five others. Other widths take the nearest;
 # GROUP_CONFIG, when set (benchmarks, tests), overrides the table.
 GROUP_CONFIGS = {1024: (8, 4, 2, 64), 1280: (16, 4, 3, 64)}
 GROUP_CONFIG: tuple[int, int, int, int] | None = None
 _INTERPRETER_CONFIG = (3, 1, 1, 16)  # three tokens a program, tiles of 16: tests walk both loops
 
 
+# The widest head a group pass takes: compiled for sm_90 at 160 channels (128 + 32, paper1b) its one-tile
+# form holds 255 registers without spilling; at 256 it spills and needs 225 KB of shared memory a program
+# (benchmarks/kernel_resources.py), and AttnRes's one head of d channels would not fit at all.
+MAX_HEAD_WIDTH = 160
+
+
 def group_fits(d: int, num_heads: int) -> bool:
     """Whether a group pass can run at width ``d`` with ``num_heads`` heads: blocks wide enough for
-    ``tl.dot``."""
-    return products_fit(head_meta(d, num_heads, has_b=True))
+    ``tl.dot``, heads at most MAX_HEAD_WIDTH wide."""
+    meta = head_meta(d, num_heads, has_b=True)
+    return products_fit(meta) and meta["DH"] <= MAX_HEAD_WIDTH
 
 
 def group_pass(sources: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta: Tensor, qg: Tensor,
@@ -181,8 +184,9 @@ def group_pass(sources: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delt
     if N == 0:
         return
     meta = head_meta(d, num_heads, has_b=True)
-    if not products_fit(meta):
-        raise ValueError(f"a group pass needs heads whose blocks are at least 16 wide: d = {d}, H = {num_heads}")
+    if not group_fits(d, num_heads):
+        raise ValueError(f"a group pass needs heads 16 to {MAX_HEAD_WIDTH} channels wide, in blocks of at least "
+                         f"16: d = {d}, H = {num_heads}")
     cpu = sources.device.type == "cpu"
     if cpu:
         tokens, warps, stages, max_s = _INTERPRETER_CONFIG

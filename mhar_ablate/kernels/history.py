@@ -45,7 +45,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import ptx
-from .products import split, stack_halves, sum_halves
+from .products import head_columns, split, stack_halves, sum_halves
 from .launch import head_meta, launch, persistent_programs, products_fit, tile_width
 
 __all__ = ["write_slot", "sites_forward", "sites_backward", "history_forward", "add_row_sums"]
@@ -430,11 +430,7 @@ def _history_fwd_dot_kernel(
     head = tl.program_id(1)
     first_tok = tl.program_id(0).to(tl.int64) * tokens_per_program
     k = tl.arange(0, HALF)[:, None]  # [HALF, 1] site
-    ja = tl.arange(0, DA)[None, :]
-    jb = tl.arange(0, BLOCK_DB)[None, :]
-    col_a = head * DH + ja
-    col_b = head * DH + DA + jb
-    b_ok = jb < DB
+    ja, jb, col_a, col_b, b_ok = head_columns(head, DH, DA, DB, BLOCK_DB)
     dt = src_ptr.dtype.element_ty
     PREC: tl.constexpr = "ieee" if dt == tl.float32 else "tf32"  # (tf32: ignored for 16-bit operands)
     # The query operand, [2 HALF, .]: row i holds site i % HALF, its hi part in the first half, its lo in the

@@ -1,6 +1,6 @@
 """Helpers of the routing kernels' matrix-product forms (``history._history_fwd_dot_kernel``,
-``column_group``): an fp32 operand as two parts of a 16-bit dtype, and the stacking of two [R, C] blocks
-as the halves of one product's rows.
+``column_group``), whose programs each take one routing head: the head's channel blocks, an fp32 operand
+as two parts of a 16-bit dtype, and the stacking of two [R, C] blocks as the halves of one product's rows.
 
 A product on tensor cores takes 16-bit operands. A query row or a softmax weight rounded to bf16 alone
 moves a score or an output by up to 2^-9 of a term; split into hi + lo parts (hi = x rounded, lo = the
@@ -12,7 +12,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["split", "stack_halves", "sum_halves"]
+__all__ = ["head_columns", "split", "stack_halves", "sum_halves"]
+
+
+@triton.jit
+def head_columns(head, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, BLOCK_DB: tl.constexpr):
+    """Head ``head``'s channels as a [1, DA] block and a [1, BLOCK_DB] one (the rest of a head split in two,
+    ``launch.head_meta``): the offsets within each block, their columns in a row, and the rest's mask."""
+    ja = tl.arange(0, DA)[None, :]
+    jb = tl.arange(0, BLOCK_DB)[None, :]
+    return ja, jb, head * DH + ja, head * DH + DA + jb, jb < DB
 
 
 @triton.jit
