@@ -163,7 +163,7 @@ def _assert_planned_passes(passes, N, d, H, n_sites, block, seed) -> None:
                          torch.stack(outs).detach().float().view(n_sites, N, H, -1)).contiguous()
     rms = _rms(src)
     dzr = torch.full((column.dzr_rows(slots, n_sites, block) * H * N,), float("nan"))
-    rows = max([len(p.group) for p in passes if p.group is not None] + [1])
+    rows = column.carry_rows(passes)
     carry = column.Carry(torch.full((rows, N, d), float("nan")), torch.full((rows, N, H), float("nan")))
     for p in passes:
         dx = column.run_pass(p, src, rms, grad_out, lse, delta, qg, H, block, dzr, carry)

@@ -424,7 +424,7 @@ def assert_planned_passes(passes, dtype, N, d, H, n_sites, block, seed) -> None:
     dsrc64, dqg64, lse, delta = backward_truth(src, qg, grad_out, H, block)
     rms = rms_of(src)
     dzr = nan_like((column.dzr_rows(slots, n_sites, block) * H * N,), torch.float32)
-    rows = max([len(p.group) for p in passes if p.group is not None] + [1])
+    rows = column.carry_rows(passes)
     carry = column.Carry(nan_like((rows, N, d), torch.float32), nan_like((rows, N, H), torch.float32))
     for p in passes:
         poison()

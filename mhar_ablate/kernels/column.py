@@ -51,7 +51,7 @@ from . import ptx
 from .launch import device_index, head_meta, launch, num_sms, products_fit
 
 __all__ = ["column_backward", "slot_grad", "slot_passes", "pairs_slots", "group_slots", "SlotPass", "run_pass",
-           "Carry", "Low", "query_grads", "dzr_rows", "dzr_block"]
+           "Carry", "carry_rows", "Low", "query_grads", "dzr_rows", "dzr_block"]
 
 
 @triton.jit
@@ -459,6 +459,11 @@ class Carry(NamedTuple):
                      torch.empty((rows, N, num_heads), dtype=torch.float32, device=device))
 
 
+def carry_rows(passes: list["SlotPass"]) -> int:
+    """The rows a ``Carry`` needs for ``passes``: the largest group's slots, or one."""
+    return max([len(p.group) for p in passes if p.group is not None] + [1])
+
+
 class Low(NamedTuple):
     """The second slot of a two-slot pass: its rows ``x`` (N, d) and RMS statistic ``rms`` (N,), where its
     ``dz * r`` for the pass's sites go (``dzr``, an (H, S, N) view), and its ``carry`` out."""
@@ -594,7 +599,7 @@ def slot_passes(n_slots: int, n_sites: int, block: int, two_slots: bool, max_gro
                 passes.append(SlotPass(j, range(first, n_sites), low=two_slots and j % 2 == 1))
         return passes
     # best[j]: the least cost of slots [0, j) and the size of the run that ends at j - 1
-    best = [(0, 0)] + [(0, 0)] * n_slots
+    best = [(0, 0)] * (n_slots + 1)
     for j in range(1, n_slots + 1):
         S = n_sites - block * (j - 1)  # sites that read the run's top slot
         options = [(best[j - 1][0] + _single_cost(S), 1)]

@@ -154,7 +154,7 @@ _INTERPRETER_CONFIG = (3, 1, 1, 16)  # three tokens a program, tiles of 16: test
 
 
 # The widest head a group pass takes: compiled for sm_90 at 160 channels (128 + 32, paper1b) its one-tile
-# form holds 255 registers without spilling; at 256 it spills and needs 225 KB of shared memory a program
+# form holds 255 registers without spilling; at 256 it spills and needs 225 KiB of shared memory a program
 # (benchmarks/kernel_resources.py), and AttnRes's one head of d channels would not fit at all.
 MAX_HEAD_WIDTH = 160
 

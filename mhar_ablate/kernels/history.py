@@ -45,8 +45,8 @@ import triton.language as tl
 from torch import Tensor
 
 from . import ptx
-from .products import head_columns, split, stack_halves, sum_halves
 from .launch import head_meta, launch, persistent_programs, products_fit, tile_width
+from .products import head_columns, split, stack_halves, sum_halves
 
 __all__ = ["write_slot", "sites_forward", "sites_backward", "history_forward", "add_row_sums"]
 

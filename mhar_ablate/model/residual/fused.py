@@ -285,14 +285,13 @@ class FusedState:
             self.dzr_written = [False] * self.buffer.shape[0]
             # The backward's passes by slot, and the carries a pass over several slots leaves for the
             # slots below its own.
-            from ...kernels.column import Carry, group_slots, pairs_slots, slot_passes
+            from ...kernels.column import Carry, carry_rows, group_slots, pairs_slots, slot_passes
 
             H = self.res.num_heads
             K = self.res.block_sublayers
             passes = slot_passes(self.buffer.shape[0], n, K, pairs_slots(self.d), group_slots(self.d, H, K))
             self.passes = {p.slot: p for p in passes}
-            rows = max([len(p.group) for p in passes if p.group is not None] + [1])
-            self.carry = Carry.empty(rows, self.N, self.d, H, dev)
+            self.carry = Carry.empty(carry_rows(passes), self.N, self.d, H, dev)
             self.carried: set[int] = set()  # the slots whose sums are in ``carry``
 
     def _dzr_of(self, slot: int) -> Tensor:
