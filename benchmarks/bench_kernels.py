@@ -322,6 +322,9 @@ def main() -> int:
     p.add_argument("--profile", action="store_true", help="no timing: run the largest call of the column, the "
                    "head-tiled forward, query_grad, block_bwd and sites_bwd per version, inside an NVTX range "
                    "'profile' (for ncu --nvtx-include)")
+    p.add_argument("--kinds", default=",".join(KINDS), help="the kinds timed at their defaults")
+    p.add_argument("--profile-kinds", default="column,history_fwd,query_grad,block_bwd,sites_bwd",
+                   help="with --profile: the kinds whose largest call is profiled (the variants' too)")
     p.add_argument("--prev", default="", help="folder holding a package prev_kernels (earlier kernels) to time too")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_kernels_out"))
     args = p.parse_args()
@@ -362,7 +365,7 @@ def main() -> int:
             return ms
 
         if not args.profile:
-            for kind in KINDS:
+            for kind in args.kinds.split(","):
                 record(kind, "default", current)
         reference = {k: outputs(step.calls(k, current))
                      for k in ("write_slot", "history_fwd", "sites_bwd", "column", "column_groups", "query_grad")}
@@ -444,13 +447,14 @@ def main() -> int:
         if args.profile:
             import torch.cuda.nvtx as nvtx
 
-            for kind, label, kernels, setting in [("column", "default", current, None),
-                                                  ("history_fwd", "default", current, None),
-                                                  ("query_grad", "default", current, None),
-                                                  ("block_bwd", "default", current, None),
-                                                  ("sites_bwd", "default", current, None)] + variants:
+            profiled = args.profile_kinds.split(",")
+            for kind, label, kernels, setting in [(k, "default", current, None) for k in profiled] + [
+                    v for v in variants if v[0] in profiled]:
                 apply(setting)
                 calls = step.calls(kind, kernels)
+                if not calls:
+                    restore()
+                    continue
                 # the call that moves the most bytes: for the column kernel the pass over the most sites (a
                 # two-slot pass where the width pairs slots), for the head-tiled forward the longest history
                 fn = max(calls, key=lambda call: call[1])[0]

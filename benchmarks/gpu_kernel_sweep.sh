@@ -8,12 +8,14 @@
 #       bash benchmarks/gpu_kernel_sweep.sh
 #
 # PREV: a folder with a package prev_kernels (earlier history.py, column.py, launch.py) to time beside the
-# current kernels; PROFILE='PRESET:COLUMN_CONFIGS ...' runs Nsight Compute on one call per version first;
+# current kernels; PROFILE='PRESET:COLUMN_CONFIGS ...' runs Nsight Compute on one call per version first
+# (PROFILE_KINDS='column_groups,...': which kinds' largest calls; NCU_ARGS: more ncu options);
 # WRITE='TOKENS,WARPS;...' sweeps write_slot, ROWS='W;...' the row kernels' warps, TWO='TOKENS,WARPS,STAGES;...'
 # the column kernel's passes over two slots; ROWSTAGES='S[,CAP];...' the backward row kernel's pipeline depth;
 # DOT='TOKENS,WARPS,STAGES,MAX_S;...' the head-tiled forward's matrix-product form; ONE=1 times the
 # column passes one slot a pass too; GROUPSLOTS='K;...' plans the column passes with group passes of at most K
-# slots (0: none), GROUP='TOKENS,WARPS,STAGES,MAX_S;...' sweeps the group pass; TESTS=0 skips the tests.
+# slots (0: none), GROUP='TOKENS,WARPS,STAGES,MAX_S;...' sweeps the group pass; TESTS=0 skips the tests,
+# KINDS='column,...' the kinds timed at their defaults (all when unset), BENCH=0 no timings.
 set -uo pipefail
 OUT=${OUT:-gpu-kernels}
 mkdir -p "$OUT"
@@ -28,15 +30,17 @@ if [ -n "${PROFILE:-}" ]; then  # PROFILE='PRESET:COLUMN_CONFIGS PRESET:...': Ns
     preset=${item%%:*} cols=${item#*:}
     timeout "${PROFILE_LIMIT:-150}" ncu --clock-control none --nvtx --nvtx-include "profile/" \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
-      --section LaunchStats -f -o "$OUT/prof-$preset" python3 benchmarks/bench_kernels.py --profile \
-      --presets "$preset" --column-configs "$cols" --out "$OUT" > "$OUT/ncu-$preset.log" 2>&1
+      --section LaunchStats --section ComputeWorkloadAnalysis --section SchedulerStats ${NCU_ARGS:-} \
+      -f -o "$OUT/prof-$preset" python3 benchmarks/bench_kernels.py --profile \
+      --presets "$preset" --column-configs "$cols" --group-configs "${GROUP:-}" \
+      ${PROFILE_KINDS:+--profile-kinds "$PROFILE_KINDS"} --out "$OUT" > "$OUT/ncu-$preset.log" 2>&1
     grep profiled "$OUT/ncu-$preset.log"
     ncu --import "$OUT/prof-$preset.ncu-rep" --page raw --csv > "$OUT/raw-$preset.csv" 2>/dev/null
     python3 benchmarks/ncu_summary.py "$OUT/raw-$preset.csv" | tee "$OUT/ncu-$preset.md"
   done
 fi
-python3 benchmarks/bench_kernels.py --presets "${PRESETS:-paper350m}" --out "$OUT" ${PREV:+--prev "$PREV"} \
+[ "${BENCH:-1}" = 1 ] && python3 benchmarks/bench_kernels.py --presets "${PRESETS:-paper350m}" --out "$OUT" ${PREV:+--prev "$PREV"} \
   --column-configs "${COL:-}" --history-configs "${HIST:-}" --history-dot "${DOT:-}" --query-configs "${QUERY:-}" \
   --write-configs "${WRITE:-}" --row-warps "${ROWS:-}" --two-slot-configs "${TWO:-}" --row-stages "${ROWSTAGES:-}" \
-  --group-slots "${GROUPSLOTS:-}" --group-configs "${GROUP:-}" ${ONE:+--one-slot} 2>&1 \
+  --group-slots "${GROUPSLOTS:-}" --group-configs "${GROUP:-}" ${ONE:+--one-slot} ${KINDS:+--kinds "$KINDS"} 2>&1 \
   | tee "$OUT/bench_kernels.log"

@@ -47,6 +47,7 @@ POINTERS = {  # argument: element type; the rest of the arguments are i32 or con
 }
 FLOATS = {"eps"}
 ALIGNED = set(POINTERS) | {"stride_s"}  # 16-divisible, as the JIT sees them on a launch
+TOKENS = "N"  # 16-divisible at every preset: so too on a launch where the kernel specialises it
 
 
 def compile_for_sm90(fn, meta: dict, warps: int, stages: int | None = None, maxnreg: int | None = None):
@@ -54,7 +55,8 @@ def compile_for_sm90(fn, meta: dict, warps: int, stages: int | None = None, maxn
     constexprs = {k: v for k, v in meta.items() if k in names}
     signature = {n: "constexpr" if n in constexprs else f"*{POINTERS[n]}" if n in POINTERS
                  else "fp32" if n in FLOATS else "i32" for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in ALIGNED}
+    aligned = ALIGNED | ({TOKENS} if TOKENS not in fn.do_not_specialize else set())
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in aligned}
     options = {"num_warps": warps, **({"num_stages": stages} if stages else {}), **({"maxnreg": maxnreg} if maxnreg else {})}
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), target=TARGET,
                           options=options)
@@ -163,7 +165,7 @@ def history_dot_rows(d: int, heads: int, block_g: int, configs: list[tuple], use
 
 def group_rows(d: int, heads: int, configs: list[tuple], use_ptx: bool) -> list[dict]:
     """The backward by source over a group of slots (``column_group``) at the table's configuration and
-    ``configs`` (TOKENS, WARPS, STAGES, MAX_S), for groups of 8 and 16 slots, with a pass's sites in one
+    ``configs`` (TOKENS, WARPS, STAGES, MAX_S[, HOLD]), for groups of 16 slots, with a pass's sites in one
     tile of MAX_S and over several."""
     out = []
     meta = head_meta(d, heads, has_b=True)
@@ -171,11 +173,12 @@ def group_rows(d: int, heads: int, configs: list[tuple], use_ptx: bool) -> list[
         return out
     table = column_group.GROUP_CONFIGS[min(column_group.GROUP_CONFIGS, key=lambda w: (abs(w - d), w))]
     for config in [table] + [c for c in configs if c != table]:
-        _, warps, stages, max_s = config
+        _, warps, stages, max_s = config[:4]
+        hold = config[4] if len(config) > 4 else 1
         for block_b in (column_group.MAX_GROUP,):
             for one_tile in (True, False):
                 fn_meta = {**meta, "BLOCK_B": block_b, "BLOCK_S": max_s, "STAGES": stages, "ONE_TILE": one_tile,
-                           "PTX": use_ptx}
+                           "HOLD": hold if one_tile else 1, "PTX": use_ptx}
                 fn = column_group._column_group_kernel
                 # a tile of one head's output-gradient rows (bf16) and the group's slot rows (bf16)
                 loop_bytes = (max_s + block_b) * (d // heads) * 2
@@ -229,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--history-dot", default="",
                    help="'TOKENS,WARPS,STAGES,MAX_S;...' for the head-tiled forward's matrix-product form")
     p.add_argument("--group-configs", default="",
-                   help="'TOKENS,WARPS,STAGES,MAX_S;...' for the group pass of the backward by source")
+                   help="'TOKENS,WARPS,STAGES,MAX_S[,HOLD];...' for the group pass of the backward by source")
     p.add_argument("--only", default="", help="'column,history,dot,group,query,row': these kernels' rows only")
     p.add_argument("--query-configs", default="",
                    help="'SITES,TOKENS,WARPS,STAGES,PER_SM;...' for the query gradients, beside the table's")

@@ -12,7 +12,7 @@ import sys
 
 import pandas as pd
 
-TO_US = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6}
+TO_US = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6, "ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}
 COLUMNS = {
     "gpu__time_duration.sum": "us",
     "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed": "dram %",
@@ -24,6 +24,13 @@ COLUMNS = {
     "sm__warps_active.avg.pct_of_peak_sustained_active": "occupancy %",
     "launch__registers_per_thread": "regs",
     "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue %",
+    # ComputeWorkloadAnalysis: the tensor pipe's share of its peak (its name differs between ncu releases)
+    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": "tensor %",
+    "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active": "tensor %",
+    "sm__inst_executed_pipe_tensor.avg.pct_of_peak_sustained_active": "tensor inst %",
+    "launch__shared_mem_per_block_dynamic": "smem B",
+    "launch__occupancy_limit_shared_mem": "blocks (smem)",
+    "launch__occupancy_limit_registers": "blocks (regs)",
 }
 STALL = "smsp__average_warps_issue_stalled_"
 

@@ -237,7 +237,7 @@ def test_planned_passes_sum_every_site_slot_pair_once(n_slots, n_sites, block):
 
 @pytest.mark.parametrize("n_sites,block,N,d,H", [
     (17, 1, 3, 64, 2),  # head width 32; a group of 5 slots
-    (17, 1, 4, 96, 2),  # head width 48 = 32 + 16; 4 tokens, a program's three and a last one alone
+    (17, 1, 6, 96, 2),  # head width 48 = 32 + 16; 6 tokens, a program's four and a last two
     (49, 4, 3, 64, 2),  # block:2 sites, 13 slots: a group of 5 over 33 sites, in tiles of 16
 ])
 def test_group_passes_match_autograd(n_sites, block, N, d, H, monkeypatch):

@@ -444,12 +444,14 @@ GROUP_SHAPES = [  # n_sites, block, N, d, H: slot j read by sites block * j ..; 
 
 @dtypes
 @pytest.mark.parametrize("n_sites,block,N,d,H", GROUP_SHAPES, ids=lambda v: str(v))
-@pytest.mark.parametrize("config", [None, (16, 4, 2, 16), (7, 8, 3, 32)], ids=["table", "16-site-tiles", "7-tokens"])
+@pytest.mark.parametrize("config", [None, (16, 4, 2, 16), (7, 8, 3, 32), (8, 4, 2, 64, 1)],
+                         ids=["table", "16-site-tiles", "7-tokens", "none-held"])
 def test_group_passes_match_float64(dtype, n_sites, block, N, d, H, config, monkeypatch):
     """A step's backward by source as ``slot_passes`` plans it with group passes (``column_group``: a group's
     slots summed over the sites that read its top slot, each slot finished from its carry by its own pass):
     each slot's gradient and the query gradients, against autograd of the oracle; with the table's
-    configuration and with sites in tiles of 16 (several tiles a pass) or 7 tokens a program."""
+    configuration (which holds several tokens' dz * r to store them together), with sites in tiles of 16
+    (several tiles a pass), 7 tokens a program, or each token's dz * r stored alone."""
     from mhar_ablate.kernels import column, column_group
 
     monkeypatch.setattr(column, "GROUP_SLOTS", 16)  # (the launch table takes none at d = 512)

@@ -26,6 +26,10 @@ A program takes one head and a run of tokens; its loop walks (token, tile of sit
 software pipeline. The products' rows are the group's slots, BLOCK_B = 16 (a group has at most 16); a
 tile has at most 64 sites, one tile (ONE_TILE, the query rows loaded once a program) wherever the pass's
 sites fit.
+
+A token's ``r dz`` is one fp32 value in each of B x S rows of ``dz * r``, whose tokens are contiguous: stored
+alone, each value takes a 32-byte sector of its own. With one tile a program holds HOLD tokens' values in
+registers and stores them together, HOLD x 4 contiguous bytes a row (``GROUP_CONFIGS``).
 """
 
 from __future__ import annotations
@@ -56,13 +60,14 @@ def _dot_parts(a_hi, a_lo, b_hi, b_lo, acc, HI_LO: tl.constexpr, LO_HI: tl.const
     return acc
 
 
-@triton.jit(do_not_specialize=["N", "B", "S", "j0", "n_sites", "s_top", "block", "tokens_per_program"])
+# N is specialised (16-divisible in practice): the held tokens' dz * r rows are then 16-byte aligned stores.
+@triton.jit(do_not_specialize=["B", "S", "j0", "n_sites", "s_top", "block", "tokens_per_program"])
 def _column_group_kernel(
     x_ptr, rms_ptr, g_ptr, lse_ptr, delta_ptr, qg_ptr, acc_ptr, dr_ptr, dzr_ptr,
     N, B, S, j0, n_sites, s_top, block, tokens_per_program,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr,
-    STAGES: tl.constexpr, ONE_TILE: tl.constexpr, PTX: tl.constexpr,
+    STAGES: tl.constexpr, ONE_TILE: tl.constexpr, HOLD: tl.constexpr, PTX: tl.constexpr,
 ):
     # x_ptr, rms_ptr: the group's first slot (slots N * D and N apart); g_ptr, lse_ptr, delta_ptr, qg_ptr:
     # the pass's first site, s_top; acc_ptr, dr_ptr: the group's carries, (B, N, D) and (B, N, H) fp32.
@@ -90,6 +95,11 @@ def _column_group_kernel(
             q_hi_b, q_lo_b = split(tl.load(qg_ptr + si[:, None] * D + col_b, mask=q_ok & b_ok, other=0.0), dt)
     else:
         tiles = tl.cdiv(S, BLOCK_S)
+    if HOLD > 1:  # (ONE_TILE only) a token's [slots, sites] dz * r waits in [slots, sites, HOLD] for the rest
+        hold_at = tl.arange(0, HOLD)[None, None, :]
+        held = tl.zeros([BLOCK_B, BLOCK_S, HOLD], tl.float32)
+        held_rows = (dzr_row[:, None, None] + si[None, :, None]) * N
+        held_ok = slot_ok[:, None, None] & (si < S)[None, :, None]
     acc_a = tl.zeros([BLOCK_B, DA], tl.float32)
     acc_b = tl.zeros([BLOCK_B, BLOCK_DB], tl.float32)
     dr = tl.zeros([BLOCK_B], tl.float32)
@@ -133,8 +143,15 @@ def _column_group_kernel(
         if HAS_B:
             acc_b = _dot_parts(a_hi, a_lo, g_b, g_b, acc_b * keep, False, SPLIT, PREC)
             acc_b = _dot_parts(rdz_hi, rdz_lo, q_hi_b, q_lo_b, acc_b, SPLIT, SPLIT, PREC)
-        s_live = s_ok & (s * 0 + tok < N)
-        tl.store(dzr_ptr + (dzr_row[:, None] + s[None, :]) * N + tok, rdz, mask=slot_ok[:, None] & s_live[None, :])
+        if HOLD > 1:
+            k = t % HOLD
+            held = tl.where(hold_at == k, rdz[:, :, None], held)
+            if k == HOLD - 1:  # tokens_per_program is a multiple of HOLD
+                toks = tl.max_contiguous(tl.multiple_of(first_tok + (t - k) + hold_at, [1, 1, HOLD]), [1, 1, HOLD])
+                tl.store(dzr_ptr + held_rows + toks, held, mask=held_ok & (toks < N))
+        else:
+            s_live = s_ok & (s * 0 + tok < N)
+            tl.store(dzr_ptr + (dzr_row[:, None] + s[None, :]) * N + tok, rdz, mask=slot_ok[:, None] & s_live[None, :])
         if (tile == tiles - 1) & (tok < N):
             out = acc_ptr + slot_rows + tok * D
             tl.store(out + col_a, acc_a, mask=slot_ok[:, None])
@@ -144,13 +161,15 @@ def _column_group_kernel(
 
 
 # Launch configuration by model width: tokens a program, warps, pipeline stages, sites a tile at most (a
-# tile is the next power of two >= S, at least 16, up to that). Measured on the H200 (a step's column
-# passes, benchmarks/bench_kernels.py, call M1): d = 1024 5.04 ms with (8, 4, 2, 64), 5.05-7.30 with five
-# others; d = 1280 11.4 ms with (16, 4, 3, 64), 12.2-14.9 with five others. Other widths take the nearest;
-# GROUP_CONFIG, when set (benchmarks, tests), overrides the table.
-GROUP_CONFIGS = {1024: (8, 4, 2, 64), 1280: (16, 4, 3, 64)}
-GROUP_CONFIG: tuple[int, int, int, int] | None = None
-_INTERPRETER_CONFIG = (3, 1, 1, 16)  # three tokens a program, tiles of 16: tests walk both loops
+# tile is the next power of two >= S, at least 16, up to that), and HOLD, the tokens whose dz * r a
+# program stores together where the sites fit one tile (optional: 1, each token alone). Measured on the
+# H200 (a step's column passes, benchmarks/bench_kernels.py, call N2): d = 1024 4.78 ms with
+# (16, 4, 2, 64, 4), 4.84-5.24 with seven others (5.05 with (8, 4, 2, 64), none held); d = 1280 10.66 ms with
+# (16, 4, 3, 64, 4), 10.82-12.24 with seven others (11.40 with (16, 4, 3, 64)). Other widths take the
+# nearest; GROUP_CONFIG, when set (benchmarks, tests), overrides the table.
+GROUP_CONFIGS = {1024: (16, 4, 2, 64, 4), 1280: (16, 4, 3, 64, 4)}
+GROUP_CONFIG: tuple[int, ...] | None = None
+_INTERPRETER_CONFIG = (4, 1, 1, 16, 2)  # four tokens a program, two held, tiles of 16: tests walk every loop
 
 
 # The widest head a group pass takes: compiled for sm_90 at 160 channels (128 + 32, paper1b) its one-tile
@@ -189,13 +208,18 @@ def group_pass(sources: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delt
                          f"16: d = {d}, H = {num_heads}")
     cpu = sources.device.type == "cpu"
     if cpu:
-        tokens, warps, stages, max_s = _INTERPRETER_CONFIG
+        config = _INTERPRETER_CONFIG
     elif GROUP_CONFIG is not None:
-        tokens, warps, stages, max_s = GROUP_CONFIG
+        config = GROUP_CONFIG
     else:
-        tokens, warps, stages, max_s = GROUP_CONFIGS[min(GROUP_CONFIGS, key=lambda w: (abs(w - d), w))]
+        config = GROUP_CONFIGS[min(GROUP_CONFIGS, key=lambda w: (abs(w - d), w))]
+    tokens, warps, stages, max_s = config[:4]
+    hold = config[4] if len(config) > 4 else 1
+    if hold & (hold - 1) or tokens % hold:
+        raise ValueError(f"a group pass holds a power of two of tokens that divides its tokens a program: {config}")
     block_s = min(max_s, max(16, triton.next_power_of_2(S)))
-    meta.update(BLOCK_B=MAX_GROUP, BLOCK_S=block_s, STAGES=stages, ONE_TILE=S <= block_s,
+    one_tile = S <= block_s
+    meta.update(BLOCK_B=MAX_GROUP, BLOCK_S=block_s, STAGES=stages, ONE_TILE=one_tile, HOLD=hold if one_tile else 1,
                 PTX=ptx.use_ptx(sources.device))
     if not cpu:
         meta["num_warps"] = warps
