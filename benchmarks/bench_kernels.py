@@ -305,6 +305,8 @@ def main() -> int:
     p.add_argument("--one-slot", action="store_true", help="also time the column passes one slot a pass")
     p.add_argument("--group-slots", default="", help="'K;...': the column passes planned with group passes of at "
                    "most K slots (0: none, the two-slot plan)")
+    p.add_argument("--group-weights", default="", help="'W;...': the column passes planned with a group pass's "
+                   "bytes counted W times (column.GROUP_PASS_WEIGHT)")
     p.add_argument("--group-configs", default="",
                    help="'TOKENS,WARPS,STAGES,MAX_S;...' for the column passes' group pass")
     p.add_argument("--history-configs", default="",
@@ -377,7 +379,7 @@ def main() -> int:
                  {k: dict(v) for k, v in history.HISTORY_CONFIG.items()}, history.WRITE_SLOT_CONFIG,
                  history.ROW_WARPS, column.TWO_SLOT_CONFIG, column.TWO_SLOTS, history.ROW_MAXNREG,
                  history.ROW_BWD_STAGES, dict(history.ROW_BWD_CONFIG), history.HISTORY_DOT_CONFIG,
-                 column.GROUP_SLOTS, column_group.GROUP_CONFIG)
+                 column.GROUP_SLOTS, column_group.GROUP_CONFIG, column.GROUP_PASS_WEIGHT)
         variants = [("column", "prev", prev, None)] if prev is not None else []
         variants += [("column", f"col {c}", current, ("col", c)) for c in parse_configs(args.column_configs, False)]
         variants += [("column", f"two-slot {c}", current, ("two", c))
@@ -386,6 +388,8 @@ def main() -> int:
             variants.append(("column", "one slot a pass", current, ("one-slot", None)))
         variants += [(kind, f"groups of <= {k[0]}", current, ("groups", k[0]))
                      for k in parse_configs(args.group_slots, False) for kind in ("column", "column_groups")]
+        variants += [("column", f"group weight {w}", current, ("weight", float(w)))
+                     for w in filter(None, (t.strip() for t in args.group_weights.split(";")))]
         variants += [(kind, f"group {c}", current, ("group", c)) for c in parse_configs(args.group_configs, False)
                      for kind in ("column", "column_groups")]
         variants += [("query_grad", f"qg {c}", current, ("qg", c)) for c in parse_configs(args.query_configs, False)]
@@ -416,7 +420,9 @@ def main() -> int:
                 column.TWO_SLOTS, column.GROUP_SLOTS = False, 0
             elif what == "groups":
                 column.GROUP_SLOTS = cfg
-            elif what == "group":  # TOKENS, WARPS, STAGES, MAX_S
+            elif what == "weight":
+                column.GROUP_PASS_WEIGHT = cfg
+            elif what == "group":  # TOKENS, WARPS, STAGES, MAX_S[, HOLD]
                 column_group.GROUP_CONFIG = cfg
             elif what == "qg":
                 column.QUERY_GRAD_CONFIG = cfg
@@ -442,7 +448,7 @@ def main() -> int:
             (history.WRITE_SLOT_CONFIG, history.ROW_WARPS, column.TWO_SLOT_CONFIG, column.TWO_SLOTS,
              history.ROW_MAXNREG, history.ROW_BWD_STAGES) = saved[4:10]
             history.ROW_BWD_CONFIG, history.HISTORY_DOT_CONFIG = dict(saved[10]), saved[11]
-            column.GROUP_SLOTS, column_group.GROUP_CONFIG = saved[12:14]
+            column.GROUP_SLOTS, column_group.GROUP_CONFIG, column.GROUP_PASS_WEIGHT = saved[12:15]
 
         if args.profile:
             import torch.cuda.nvtx as nvtx

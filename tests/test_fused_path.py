@@ -71,6 +71,7 @@ def test_fused_matches_reference_with_group_passes(monkeypatch):
     from mhar_ablate.kernels import column
 
     monkeypatch.setattr(column, "GROUP_SLOTS", 16)
+    monkeypatch.setattr(column, "GROUP_PASS_WEIGHT", 1.0)  # the byte model: a group at this small depth
     passes = column.slot_passes(17, 17, 1, column.pairs_slots(64), column.group_slots(64, 2))
     assert any(p.group is not None for p in passes)
     ref, fused = _pair("mhar", "full", 2, 64, 8, 4)

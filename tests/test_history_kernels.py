@@ -208,13 +208,15 @@ def _pairs_read(passes, n_sites, block):
     return read
 
 
+@pytest.mark.parametrize("weight", [1.0, 2.0])
 @pytest.mark.parametrize("n_slots,n_sites,block", [(49, 49, 1), (73, 73, 1), (25, 25, 1), (7, 49, 8), (13, 49, 4),
                                                    (5, 5, 1), (17, 33, 2)])
-def test_planned_passes_sum_every_site_slot_pair_once(n_slots, n_sites, block):
+def test_planned_passes_sum_every_site_slot_pair_once(n_slots, n_sites, block, weight, monkeypatch):
     """Whatever the plan (one slot a pass, two, or groups), each site's share of each slot it reads is summed
     exactly once, in passes that go down the slots as autograd does, each reading only sites whose output
     gradients are known by then (those that read the slot); with groups the plan moves no more bytes than
-    the two-slot plan by the planner's byte model."""
+    the two-slot plan by the planner's byte model, whatever weight it gives a group pass's bytes."""
+    monkeypatch.setattr(column, "GROUP_PASS_WEIGHT", weight)
     def cost(passes):
         total = 0
         for p in passes:
@@ -231,7 +233,7 @@ def test_planned_passes_sum_every_site_slot_pair_once(n_slots, n_sites, block):
         assert all(min(p.sites, default=n_sites) >= block * p.slot for p in passes)
         assert sorted(_pairs_read(passes, n_sites, block)) == want
     assert cost(plans[3]) <= cost(plans[1])
-    if n_slots >= 17:
+    if n_slots >= (17 if weight == 1.0 else 49):  # a heavier group pass pays only where more sites read it
         assert any(p.group is not None for p in plans[3])
 
 
@@ -245,6 +247,7 @@ def test_group_passes_match_autograd(n_sites, block, N, d, H, monkeypatch):
     the sites that read its top slot, then each slot finished from its carry by its own pass): every slot's
     gradient and the query gradients, against autograd of the reference."""
     monkeypatch.setattr(column, "GROUP_SLOTS", 16)
+    monkeypatch.setattr(column, "GROUP_PASS_WEIGHT", 1.0)  # the byte model: groups at these small shapes
     slots = (n_sites - 1) // block + 1
     passes = column.slot_passes(slots, n_sites, block, True, column.group_slots(d, H, block))
     assert any(p.group is not None for p in passes)
@@ -265,6 +268,7 @@ def test_a_group_slot_whose_group_pass_did_not_run_reads_every_site(monkeypatch)
     """``carried=False`` for a slot below a group's top (its group pass never ran): its own pass takes every
     site that reads it and ignores the carry."""
     monkeypatch.setattr(column, "GROUP_SLOTS", 16)
+    monkeypatch.setattr(column, "GROUP_PASS_WEIGHT", 1.0)
     n, N, d, H = 17, 3, 64, 2
     src, qg, grad_out = _inputs(n, N, d, n, seed=9)
     lse = torch.randn(n, N, H)

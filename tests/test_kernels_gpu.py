@@ -455,6 +455,7 @@ def test_group_passes_match_float64(dtype, n_sites, block, N, d, H, config, monk
     from mhar_ablate.kernels import column, column_group
 
     monkeypatch.setattr(column, "GROUP_SLOTS", 16)  # (the launch table takes none at d = 512)
+    monkeypatch.setattr(column, "GROUP_PASS_WEIGHT", 1.0)  # the byte model's plan: the groups in the comments
     if config is not None:
         monkeypatch.setattr(column_group, "GROUP_CONFIG", config)
     slots = (n_sites - 1) // block + 1

@@ -570,11 +570,19 @@ def _pair_cost(S: int, block: int) -> int:
     return (S + 3 + CARRY_UNITS) + (block + 2 + CARRY_UNITS)
 
 
-def _group_cost(S: int, B: int, block: int) -> int:
+# What a unit that a group pass moves costs against a unit of the other passes (1: the byte model). The
+# group kernel moves its bytes at about 36 % of copy and the slots' own passes at about 75 %
+# (benchmarks/bench_kernels.py, call N2), so 2: fewer, larger groups, and more pairs. Measured (a step's
+# column passes, call N5): 4.80 -> 4.51 ms at paper350m, 10.69 -> 9.70 at paper1b; 1.25 and 1.5 gave
+# 4.52 / 4.46 and 10.41 / 10.25 ms, 3 gave 5.93 and 9.81.
+GROUP_PASS_WEIGHT = 2.0
+
+
+def _group_cost(S: int, B: int, block: int) -> float:
     # the group pass (B slots, S gradients, B carries written), then each slot's own pass (its slot, the
     # carry read, its gradient, and the sites that read it but not the top slot: block * k for the k-th
     # slot below the top)
-    return (S + B + CARRY_UNITS * B) + B * (2 + CARRY_UNITS) + block * B * (B - 1) // 2
+    return GROUP_PASS_WEIGHT * (S + B + CARRY_UNITS * B) + B * (2 + CARRY_UNITS) + block * B * (B - 1) // 2
 
 
 def slot_passes(n_slots: int, n_sites: int, block: int, two_slots: bool, max_group: int = 0) -> list[SlotPass]:
@@ -587,8 +595,9 @@ def slot_passes(n_slots: int, n_sites: int, block: int, two_slots: bool, max_gro
     when the pass above runs). This reads the output gradients about half as often as one pass a slot.
 
     With ``max_group`` >= 3 (take ``group_slots(d, H, block)``), slots are cut into runs taken one slot a pass,
-    two (if ``two_slots``) or 3 .. ``max_group`` a group pass, the cut that moves the fewest bytes by the
-    byte model above: groups where many sites read the slots, which they then read once for the group."""
+    two (if ``two_slots``) or 3 .. ``max_group`` a group pass, the cut of least cost by the byte model
+    above with a group pass's bytes counted ``GROUP_PASS_WEIGHT`` times: groups where many sites read the
+    slots, which they then read once for the group."""
     if max_group < 3:
         passes = []
         for j in reversed(range(n_slots)):
