@@ -533,10 +533,13 @@ def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = _log) -> dic
 def train_sources(sr: StudyRun, log, stop) -> dict[str, float] | None:
     """Train (or resume, or find finished) each seed's source run; return {seed: final validation loss},
     or None when interrupted. A source folder trained with another configuration is refused, not reused."""
+    sources = sr.source_configs()
+    if not sources:  # training.run imports Lightning (seconds): a rerun of a finished study needs none of it
+        return {}
     from .training.run import load_run_config, train_run
 
     losses: dict[str, float] = {}
-    for seed, cfg in sr.source_configs().items():
+    for seed, cfg in sources.items():
         folder = sr.source_dir(seed)
         if (folder / "config.yaml").is_file() and load_run_config(folder).flat() != cfg.flat():
             raise UsageError(f"{folder} was trained with another configuration than study {sr.definition.name!r}'s "

@@ -249,6 +249,7 @@ def test_a_study_from_before_the_final_set_keeps_its_identity(tmp_path):
     from test_study import study_run
 
     sr = study_run(tmp_path, seeds=1)
+    del sr.overrides["data.final_sequences"]  # at its default
     configs = sr.configs()
     per_arm = {}
     for (arm, _), cfg in configs.items():

@@ -5,32 +5,49 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
+from pathlib import Path
 
 import pytest
 
-from reliability_helpers import (FAST, REPO, SimulatedKill, cli, env, fail_running_trials, final_losses, kill_before_record,
-                                 run_and_signal, write_study)
+from reliability_helpers import (FAST, SimulatedKill, fail_running_trials, final_losses, kill_before_record,
+                                 signal_mid_trial, write_study)
+
+
+def _study_args(folder, out):
+    # One seed: a grid of two points, the first killed mid-trial, the second trained after the resumed one.
+    return ["study", str(write_study(folder)), "--budget", "steps", "--seeds", "1", "--output", str(out), *FAST]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
+    from mhar_ablate.cli import main
+
     folder = tmp_path_factory.mktemp("clean")
-    study = write_study(folder)
     out = folder / "out"
-    done = subprocess.run(cli("study", str(study), "--budget", "steps", "--output", str(out), *FAST), env=env(),
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert main(_study_args(folder, out)) == 0
     return final_losses(out / "studies" / "pair" / "steps")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
-def test_killed_study_resumes_to_the_same_results(tmp_path, sig, uninterrupted):
-    study = write_study(tmp_path)
-    out = tmp_path / "out"
-    folder = out / "studies" / "pair" / "steps"
-    args = ["study", str(study), "--budget", "steps", "--output", str(out), *FAST]
-    code, victim = run_and_signal(args, folder, sig)
+SIGNALS = [signal.SIGINT, signal.SIGTERM, signal.SIGKILL]
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory) -> dict[signal.Signals, tuple[list[str], Path, int, Path]]:
+    """Per signal: (command, study folder, exit code, trial caught mid-way) of a real CLI process that took
+    the signal once that trial had checkpointed; the three processes run at once."""
+    runs = {}
+    for sig in SIGNALS:
+        tmp = tmp_path_factory.mktemp(sig.name)
+        runs[sig] = (_study_args(tmp, tmp / "out"), tmp / "out" / "studies" / "pair" / "steps")
+    done = signal_mid_trial([(args, folder, sig) for sig, (args, folder) in runs.items()])
+    return {sig: (*runs[sig], *result) for sig, result in zip(runs, done)}
+
+
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_killed_study_resumes_to_the_same_results(capsys, sig, killed, uninterrupted):
+    from mhar_ablate.cli import main
+
+    args, folder, code, victim = killed[sig]
     if sig == signal.SIGKILL:
         assert code == -signal.SIGKILL
     else:  # a graceful stop: checkpoint, record, exit 130
@@ -46,12 +63,14 @@ def test_killed_study_resumes_to_the_same_results(tmp_path, sig, uninterrupted):
     finished_before = {k for k, v in final_losses(folder).items()
                        if json.loads((folder / k / "result.json").read_text())["status"] == "completed"}
 
-    rerun = subprocess.run(cli(*args), env=env(), cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
-    assert f"{len(uninterrupted) - len(finished_before)} of {len(uninterrupted)} grid points to train" in rerun.stdout
+    # The same command again, in this process (the killed process's checkpoint and database are all it reads).
+    capsys.readouterr()
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert f"{len(uninterrupted) - len(finished_before)} of {len(uninterrupted)} grid points to train" in printed
     if sig == signal.SIGKILL:
-        assert "trial(s) of an earlier run were killed" in rerun.stdout
-    assert "resuming from the checkpoint at step" in rerun.stdout  # the rerun says what it resumes from
+        assert "trial(s) of an earlier run were killed" in printed
+    assert "resuming from the checkpoint at step" in printed  # the rerun says what it resumes from
     resumed = json.loads((victim / "result.json").read_text())
     assert resumed["status"] == "completed" and resumed["curve"][0]["step"] == 0
     got = final_losses(folder)

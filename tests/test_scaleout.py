@@ -175,19 +175,21 @@ def test_a_machine_killed_mid_trial_has_its_trial_finished_by_heartbeat(tmp_path
     out = tmp_path / "shared-out"
     folder = out / "studies" / "pair" / "steps"
     args = ["study", study, "--storage", url, "--heartbeat", "1", "--output", str(out), *SMALL]
-    first = start(*args)
-    victim = wait_for_trial_mid_way(folder, [first])
-    second = start(*args)
+    # Both machines start together (their start-up overlaps); the one training the first trial caught mid-way
+    # is killed, and the other takes that trial over once its heartbeat is stale.
+    procs = [start(*args) for _ in range(2)]
+    victim = wait_for_trial_mid_way(folder, procs)
     pid, number = owner_of(url, victim)
-    assert pid == first.pid
-    os.kill(first.pid, signal.SIGKILL)
-    assert finish(first)[0] == -signal.SIGKILL
-    code, text = finish(second)
+    assert pid in [p.pid for p in procs]  # a command trains its one worker's trials itself
+    killed, survivor = sorted(procs, key=lambda p: p.pid != pid)
+    os.kill(pid, signal.SIGKILL)
+    assert finish(killed)[0] == -signal.SIGKILL
+    code, text = finish(survivor)
     assert code == 0, text
     by_point = check_grid_once(load(url))
     trials = next(ts for ts in by_point.values() if any(t.number == number for t in ts))
     done = next(t for t in trials if t.state.name == "COMPLETE")
-    assert done.system_attrs.get("failed_trial") == number and done.user_attrs["pid"] == second.pid
+    assert done.system_attrs.get("failed_trial") == number and done.user_attrs["pid"] == survivor.pid
     assert "resuming from the checkpoint of a worker that died" in text
     result = json.loads((victim / "result.json").read_text())
     assert result["status"] == "completed" and result["curve"][0]["step"] == 0

@@ -81,10 +81,15 @@ class TokenDataModule(lightning.LightningDataModule):
         self._val: np.ndarray | None = None
         self._final: np.ndarray | None = None
 
+    # A run calls both hooks before it builds the model, and Lightning calls them again in fit: the corpus
+    # (each load resolves its source again: the stdlib's 1,758 files stat'ed) and the windows are set up once.
     def prepare_data(self) -> None:
-        load_corpus(self.cfg, self.cache_dir)
+        if self._corpus is None:
+            load_corpus(self.cfg, self.cache_dir)
 
     def setup(self, stage: str | None = None) -> None:
+        if self._corpus is not None:
+            return
         corpus = load_corpus(self.cfg, self.cache_dir)
         count = self.cfg.val_sequences
         if self.eval_batches is not None:

@@ -22,13 +22,15 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
-
-import torch
-import torch.nn.functional as F
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from . import distributed
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
+# torch is imported where a model is evaluated: `export` uses the statistics below without it (seconds of imports).
 
 
 def summarize(losses: Sequence[float], seq_len: int) -> dict[str, Any]:
@@ -49,33 +51,37 @@ def paired_se(a: Sequence[float], b: Sequence[float]) -> float:
 
 def sequence_losses(model: torch.nn.Module, x: Tensor, y: Tensor) -> Tensor:
     """Each row's mean next-token cross-entropy, shape (batch,), in float32."""
+    import torch.nn.functional as F
+
     logits = model(x)
     per_token = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
     return per_token.view(y.shape).mean(dim=1)
 
 
-@torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: Iterable[tuple[Tensor, Tensor]], device: torch.device,
              autocast: Callable[[], Any], seq_len: int) -> dict[str, Any]:
     """Run the final evaluation: the summary (``summarize``), its seconds, and the per-sequence losses
     (``sequence_losses``, rounded to 6 decimals: a difference of 1e-6 nats is far below any gap). Under
     DDP each rank evaluates every ``world``-th batch and the ranks share their rows, so every rank
     returns the whole set's result."""
-    t0 = time.perf_counter()
-    rank, world = distributed.world()
-    was_training = model.training
-    model.eval()
-    rows: list[float] = []
-    for k, (x, y) in enumerate(batches):
-        if k % world == rank:
-            with autocast():
-                values = sequence_losses(model, x.to(device), y.to(device))
-            rows.extend(values.double().tolist())
-        else:
-            rows.extend([0.0] * len(x))
-    model.train(was_training)
-    if world > 1:  # every rank holds zeros where another rank evaluated: summing gives every row once
-        rows = distributed.sum_rows(rows)
+    import torch
+
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        rank, world = distributed.world()
+        was_training = model.training
+        model.eval()
+        rows: list[float] = []
+        for k, (x, y) in enumerate(batches):
+            if k % world == rank:
+                with autocast():
+                    values = sequence_losses(model, x.to(device), y.to(device))
+                rows.extend(values.double().tolist())
+            else:
+                rows.extend([0.0] * len(x))
+        model.train(was_training)
+        if world > 1:  # every rank holds zeros where another rank evaluated: summing gives every row once
+            rows = distributed.sum_rows(rows)
     rows = [round(v, 6) for v in rows]
     result = summarize(rows, seq_len)
     result["seconds"] = time.perf_counter() - t0
