@@ -534,7 +534,7 @@ def train_sources(sr: StudyRun, log, stop) -> dict[str, float] | None:
     """Train (or resume, or find finished) each seed's source run; return {seed: final validation loss},
     or None when interrupted. A source folder trained with another configuration is refused, not reused."""
     sources = sr.source_configs()
-    if not sources:  # training.run imports Lightning (seconds): a rerun of a finished study needs none of it
+    if not sources:  # no source stage: nothing to train here, and no import of training.run (Lightning, seconds)
         return {}
     from .training.run import load_run_config, train_run
 

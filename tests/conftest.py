@@ -16,9 +16,10 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
 def pytest_collection_finish(session):
-    # Every finished run calls gc.collect() (training/run.py, _release); over the millions of objects that
-    # torch, Lightning and the test modules leave here, each full collection took about 0.5 s. What exists
-    # once the tests are collected stays out of later collections; what a test creates is collected as before.
+    # Every finished run calls gc.collect() (training/run.py, _release). Once the tests are collected, a full
+    # collection walks about 515,000 objects that torch, Lightning and the test modules leave, 0.28 s on
+    # this project's CPU machine. Frozen, they stay out of later collections; what a test creates is
+    # collected as before.
     gc.collect()
     gc.freeze()
 

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# A final evaluation of 8 sequences still runs every run's last stage; the tiny preset's default set of 512
-# costs about 1.5 s a run on the CPU.
+# A final evaluation of 8 sequences still runs every run's last stage; at these settings the tiny preset's
+# default set of 512 took 1.27 s of a run on the CPU, 8 took 0.02 s.
 FAST = ["model.seq_len=32", "train.batch_size=4", "train.eval_every=6", "train.eval_batches=1",
         "data.val_sequences=4", "data.final_sequences=8", "residual.backend=reference", "train.threads=1",
         "train.checkpoint_every=0"]

@@ -82,7 +82,7 @@ class TokenDataModule(lightning.LightningDataModule):
         self._final: np.ndarray | None = None
 
     # A run calls both hooks before it builds the model, and Lightning calls them again in fit: the corpus
-    # (each load resolves its source again: the stdlib's 1,758 files stat'ed) and the windows are set up once.
+    # (each load resolves its source again, every file of the stdlib stat'ed) and the windows are set up once.
     def prepare_data(self) -> None:
         if self._corpus is None:
             load_corpus(self.cfg, self.cache_dir)
