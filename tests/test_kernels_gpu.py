@@ -464,6 +464,18 @@ def test_group_passes_match_float64(dtype, n_sites, block, N, d, H, config, monk
     assert_planned_passes(passes, dtype, N, d, H, n_sites, block, seed=n_sites * 7 + d)
 
 
+@dtypes
+def test_paper350m_plan_matches_float64(dtype):
+    """The plan a step of ``full`` takes at paper350m's depth and width (49 sites, d = 1024, the launch
+    tables and the planner's weight as committed: groups of 13 and 10 slots, pairs below), on few tokens."""
+    from mhar_ablate.kernels import column
+
+    n_sites, block, N, d, H = 49, 1, 20, 1024, 8
+    passes = column.slot_passes(n_sites, n_sites, block, column.pairs_slots(d), column.group_slots(d, H, block))
+    assert sorted(len(p.group) for p in passes if p.group is not None) == [10, 13]
+    assert_planned_passes(passes, dtype, N, d, H, n_sites, block, seed=350)
+
+
 QUERY_SHAPES = [  # slots, N, d, H, sites, block (slot j read by sites block * j ..)
     (6, 37, 1280, 8, 6, 1),  # head width 160 = 128 + 32
     (5, 50, 1024, 8, 17, 4),
