@@ -308,7 +308,7 @@ def main() -> int:
     p.add_argument("--group-weights", default="", help="'W;...': the column passes planned with a group pass's "
                    "bytes counted W times (column.GROUP_PASS_WEIGHT)")
     p.add_argument("--group-configs", default="",
-                   help="'TOKENS,WARPS,STAGES,MAX_S;...' for the column passes' group pass")
+                   help="'TOKENS,WARPS,STAGES,MAX_S[,HOLD];...' for the column passes' group pass")
     p.add_argument("--history-configs", default="",
                    help="'G:TOKENS,WARPS,STAGES,SOURCES;...' for the head-tiled forward")
     p.add_argument("--history-dot", default="",

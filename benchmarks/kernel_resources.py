@@ -173,8 +173,7 @@ def group_rows(d: int, heads: int, configs: list[tuple], use_ptx: bool) -> list[
         return out
     table = column_group.GROUP_CONFIGS[min(column_group.GROUP_CONFIGS, key=lambda w: (abs(w - d), w))]
     for config in [table] + [c for c in configs if c != table]:
-        _, warps, stages, max_s = config[:4]
-        hold = config[4] if len(config) > 4 else 1
+        _, warps, stages, max_s, hold = column_group.unpack_config(config)
         for block_b in (column_group.MAX_GROUP,):
             for one_tile in (True, False):
                 fn_meta = {**meta, "BLOCK_B": block_b, "BLOCK_S": max_s, "STAGES": stages, "ONE_TILE": one_tile,

@@ -43,7 +43,7 @@ from . import ptx
 from .launch import head_meta, launch, products_fit
 from .products import head_columns, split
 
-__all__ = ["group_pass", "group_fits", "MAX_GROUP", "MAX_HEAD_WIDTH", "GROUP_CONFIGS", "GROUP_CONFIG"]
+__all__ = ["group_pass", "group_fits", "unpack_config", "MAX_GROUP", "MAX_HEAD_WIDTH", "GROUP_CONFIGS", "GROUP_CONFIG"]
 
 MAX_GROUP = 16  # slots a group pass takes at most: BLOCK_B, the rows of its products
 
@@ -172,6 +172,15 @@ GROUP_CONFIG: tuple[int, ...] | None = None
 _INTERPRETER_CONFIG = (4, 1, 1, 16, 2)  # four tokens a program, two held, tiles of 16: tests walk every loop
 
 
+def unpack_config(config: tuple[int, ...]) -> tuple[int, int, int, int, int]:
+    """A launch configuration as (tokens, warps, stages, most sites a tile, HOLD), HOLD 1 where it has none."""
+    tokens, warps, stages, max_s = config[:4]
+    hold = config[4] if len(config) > 4 else 1
+    if hold & (hold - 1) or tokens % hold:
+        raise ValueError(f"a group pass holds a power of two of tokens that divides its tokens a program: {config}")
+    return tokens, warps, stages, max_s, hold
+
+
 # The widest head a group pass takes: compiled for sm_90 at 160 channels (128 + 32, paper1b) its one-tile
 # form holds 255 registers without spilling; at 256 it spills and needs 225 KiB of shared memory a program
 # (benchmarks/kernel_resources.py), and AttnRes's one head of d channels would not fit at all.
@@ -213,10 +222,7 @@ def group_pass(sources: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delt
         config = GROUP_CONFIG
     else:
         config = GROUP_CONFIGS[min(GROUP_CONFIGS, key=lambda w: (abs(w - d), w))]
-    tokens, warps, stages, max_s = config[:4]
-    hold = config[4] if len(config) > 4 else 1
-    if hold & (hold - 1) or tokens % hold:
-        raise ValueError(f"a group pass holds a power of two of tokens that divides its tokens a program: {config}")
+    tokens, warps, stages, max_s, hold = unpack_config(config)
     block_s = min(max_s, max(16, triton.next_power_of_2(S)))
     one_tile = S <= block_s
     meta.update(BLOCK_B=MAX_GROUP, BLOCK_S=block_s, STAGES=stages, ONE_TILE=one_tile, HOLD=hold if one_tile else 1,
