@@ -20,8 +20,8 @@ Bytes per call (e = bytes of an element of the buffer, U = N·d·e one source):
 - history_fwd (the shared pass of G sites over S slots): S U + S·N·4 (RMS) read, G U + G·N·H·4 (lse) written.
 - sites_fwd (a site's merge with its k extra slots, and the lone last group): k U + the partial state U read,
   U written, the log-sum-exps read and written.
-- sites_bwd (each site's backward prologue): the output gradient and the output read, the copy written, 3 U,
-  the log-sum-exps read and delta written.
+- sites_bwd (each site's backward prologue): the output gradient and the output read, 2 U (3 U with an earlier
+  history module, which copies the output gradient), the log-sum-exps read and delta written.
 - column (a pass over S sites, ``column.slot_passes``): the slot U, the S output gradients S U, the gradient
   U; the sites' log-sum-exps and deltas read, dz·r written: 3·S·N·H·4. A two-slot pass also reads the
   lower slot U and writes its dz·r, S·N·H·4, and its carry, N·(d + H)·4, which the lower slot's own pass
@@ -31,7 +31,8 @@ Bytes per call (e = bytes of an element of the buffer, U = N·d·e one source):
 - block_fwd, block_bwd (``block:4``'s sites that read their block's partial sum, 42 at ``paper350m``): the
   merge reads the partial state, the sum before and the block's last output and writes the new sum and the
   output, 5 U; the backward reads the output gradient, the output, the sum and the gradient the later sums
-  passed back and writes the output-gradient copy and the sum's gradient, 6 U (both with the statistics).
+  passed back and writes the sum's gradient, 5 U (6 U with an earlier history module's output-gradient copy;
+  both with the statistics).
 - query_grad (one product over all slots): every slot's dz·r and every slot read, and 3·slots·sites·d·4
   for partial sums (what the per-slot sums of an earlier form moved, kept so that the figures compare
   across rounds; the chunks' sums of the present form move 0.6 to 3.4 times that, 2-4 % of the total, by arithmetic).
@@ -110,7 +111,11 @@ class Step:
         self.grad_partial = torch.empty((1, N, d), dtype=dtype, device=device)
         self.dqg = torch.zeros((n, d), dtype=torch.float32, device=device)
         self.dzr = torch.randn(kernels["column"].dzr_rows(n, n, 1) * H * N, generator=gen, device=device)
-        self.copy = torch.empty((n, N, d), dtype=dtype, device=device)
+        # Where the column passes read the output gradients: in place, through a table (``GradRows``, whose
+        # offsets the backward prologue records), or the copies the prologue writes, here onto the gradients
+        # themselves (the same bytes moved, the same values read); ``column.grads_in_place`` decides.
+        self.copy = self.grad_out
+        self.table = torch.arange(n, dtype=torch.int64, device=device) * (N * d)
         # one carry row a slot of the largest group; an earlier column module takes 2-D carries
         rows = MAX_GROUP if hasattr(kernels["column"], "group_slots") else None
         self.carry_acc = torch.empty((rows, N, d) if rows else (N, d), dtype=torch.float32, device=device)
@@ -164,13 +169,13 @@ class Step:
         elif kind == "sites_bwd":
             empty = self.buffer[:0]
             for s in range(self.n_sites):
-                def prologue(s=s):  # a site's delta and the copy of its output gradient
+                def prologue(s=s):  # a site's delta, and where its output gradient lies (or its copy)
                     history.sites_backward(empty, empty, None, self.qg[s:s + 1], H, eps, self.grad_out[s:s + 1],
                                            self.lse[s:s + 1], self.delta[s:s + 1], out=self.out[s],
-                                           grad_copy=self.copy[s:s + 1])
+                                           **self.keep_grad(s, kernels))
                     return self.delta[s], self.copy[s]
 
-                out.append((prologue, 3 * U + 2 * N * H * 4))
+                out.append((prologue, (2 if self.in_place(kernels) else 3) * U + 2 * N * H * 4))
         elif kind in ("block_fwd", "block_bwd"):
             # block:4's sites that read their block's partial sum (sites s with s % 8 > 0): the merge that
             # also makes the sum (partial + the block's last output, written), and the backward that adds the
@@ -190,10 +195,10 @@ class Step:
                     def block_bwd(s=s, partial=partial, rows=rows):
                         history.sites_backward(partial, self.grad_partial, self.out[s - 1:s], self.qg[rows], H, eps,
                                                self.grad_out[rows], self.lse[rows], self.delta[rows],
-                                               out=self.out[s], grad_copy=self.copy[rows], dqg=self.dqg[rows])
+                                               out=self.out[s], dqg=self.dqg[rows], **self.keep_grad(s, kernels))
                         return self.grad_partial, self.delta[s], self.copy[s]
 
-                    out.append((block_bwd, 6 * U + 2 * N * H * 4))
+                    out.append((block_bwd, (5 if self.in_place(kernels) else 6) * U + 2 * N * H * 4))
         elif kind == "column":
             stats = 3 * N * H * 4  # per site: its log-sum-exps and deltas read, dz * r written
             if not hasattr(column, "slot_passes"):  # an earlier column module: one pass a slot
@@ -217,7 +222,8 @@ class Step:
                     moved += self.group_bytes(len(p.group), n - p.slot)
 
                 def run(p=p):
-                    grad = column.run_pass(p, self.buffer, self.rms, self.copy, self.lse, self.delta, self.qg, H, 1,
+                    grad = column.run_pass(p, self.buffer, self.rms, self.grads(kernels), self.lse, self.delta, self.qg,
+                                           H, 1,
                                            self.dzr, carry)
                     return (grad,)
 
@@ -232,7 +238,7 @@ class Step:
                 moved = self.group_bytes(len(p.group), n - p.slot)
 
                 def run(p=p):
-                    group_pass(self.buffer, self.rms, self.copy, self.lse, self.delta, self.qg, H, p.group,
+                    group_pass(self.buffer, self.rms, self.grads(kernels), self.lse, self.delta, self.qg, H, p.group,
                                range(p.slot, self.n_sites), self.n_sites, 1, self.dzr, self.carry_acc, self.carry_dr)
                     return (self.carry_acc[:len(p.group)],)
 
@@ -245,6 +251,24 @@ class Step:
             raise ValueError(kind)
         return out
 
+
+    def in_place(self, kernels) -> bool:
+        """Whether these kernels read the output gradients where they lie (a table) at this width."""
+        return hasattr(kernels["column"], "grads_in_place") and kernels["column"].grads_in_place(self.d)
+
+    def grads(self, kernels):
+        """The output gradients as the column passes take them."""
+        if not hasattr(kernels["column"], "GradRows"):
+            return self.copy
+        GradRows = kernels["column"].GradRows
+        return GradRows(self.grad_out, self.table) if self.in_place(kernels) else GradRows.stacked(self.copy)
+
+    def keep_grad(self, s: int, kernels) -> dict:
+        """How site s's backward prologue keeps its output gradient for the column passes: its offset recorded
+        in the table (the value the table holds already), or a copy."""
+        if self.in_place(kernels):
+            return {"record": (self.table[s:s + 1], s * self.N * self.d)}
+        return {"grad_copy": self.copy[s:s + 1]}
 
     def group_bytes(self, B: int, S: int) -> int:
         """What a group pass of B slots over S sites moves (the module docstring's list)."""
@@ -303,6 +327,9 @@ def main() -> int:
     p.add_argument("--two-slot-configs", default="",
                    help="'TOKENS,WARPS,STAGES;...' for the column kernel's passes over two slots")
     p.add_argument("--one-slot", action="store_true", help="also time the column passes one slot a pass")
+    p.add_argument("--other-grads", action="store_true",
+                   help="also time the backward prologues and the column passes with the output gradients kept the "
+                        "other way (copied where the width's table reads them in place, and the reverse)")
     p.add_argument("--group-slots", default="", help="'K;...': the column passes planned with group passes of at "
                    "most K slots (0: none, the two-slot plan)")
     p.add_argument("--group-weights", default="", help="'W;...': the column passes planned with a group pass's "
@@ -379,13 +406,17 @@ def main() -> int:
                  {k: dict(v) for k, v in history.HISTORY_CONFIG.items()}, history.WRITE_SLOT_CONFIG,
                  history.ROW_WARPS, column.TWO_SLOT_CONFIG, column.TWO_SLOTS, history.ROW_MAXNREG,
                  history.ROW_BWD_STAGES, dict(history.ROW_BWD_CONFIG), history.HISTORY_DOT_CONFIG,
-                 column.GROUP_SLOTS, column_group.GROUP_CONFIG, column.GROUP_PASS_WEIGHT)
+                 column.GROUP_SLOTS, column_group.GROUP_CONFIG, column.GROUP_PASS_WEIGHT, column.GRADS_IN_PLACE)
         variants = [("column", "prev", prev, None)] if prev is not None else []
         variants += [("column", f"col {c}", current, ("col", c)) for c in parse_configs(args.column_configs, False)]
         variants += [("column", f"two-slot {c}", current, ("two", c))
                      for c in parse_configs(args.two_slot_configs, False)]
         if args.one_slot:
             variants.append(("column", "one slot a pass", current, ("one-slot", None)))
+        if args.other_grads:
+            other = not column.grads_in_place(step.d)
+            variants += [(kind, "grads in place" if other else "grads copied", current, ("grads", other))
+                         for kind in ("column", "column_groups", "sites_bwd", "block_bwd")]
         variants += [(kind, f"groups of <= {k[0]}", current, ("groups", k[0]))
                      for k in parse_configs(args.group_slots, False) for kind in ("column", "column_groups")]
         variants += [("column", f"group weight {w}", current, ("weight", float(w)))
@@ -416,6 +447,8 @@ def main() -> int:
                 column.COLUMN_CONFIG, column.COLUMN_MAXNREG = cfg[:3], cfg[3] if len(cfg) > 3 else 0
             elif what == "two":
                 column.TWO_SLOT_CONFIG = cfg
+            elif what == "grads":
+                column.GRADS_IN_PLACE = cfg
             elif what == "one-slot":
                 column.TWO_SLOTS, column.GROUP_SLOTS = False, 0
             elif what == "groups":
@@ -448,7 +481,8 @@ def main() -> int:
             (history.WRITE_SLOT_CONFIG, history.ROW_WARPS, column.TWO_SLOT_CONFIG, column.TWO_SLOTS,
              history.ROW_MAXNREG, history.ROW_BWD_STAGES) = saved[4:10]
             history.ROW_BWD_CONFIG, history.HISTORY_DOT_CONFIG = dict(saved[10]), saved[11]
-            column.GROUP_SLOTS, column_group.GROUP_CONFIG, column.GROUP_PASS_WEIGHT = saved[12:15]
+            (column.GROUP_SLOTS, column_group.GROUP_CONFIG, column.GROUP_PASS_WEIGHT,
+             column.GRADS_IN_PLACE) = saved[12:16]
 
         if args.profile:
             import torch.cuda.nvtx as nvtx

@@ -15,7 +15,8 @@
 # DOT='TOKENS,WARPS,STAGES,MAX_S;...' the head-tiled forward's matrix-product form; ONE=1 times the
 # column passes one slot a pass too; GROUPSLOTS='K;...' plans the column passes with group passes of at most K
 # slots (0: none), GROUPWEIGHTS='W;...' with a group pass's bytes counted W times,
-# GROUP='TOKENS,WARPS,STAGES,MAX_S[,HOLD];...' sweeps the group pass; TESTS=0 skips the tests,
+# GROUP='TOKENS,WARPS,STAGES,MAX_S[,HOLD];...' sweeps the group pass; OTHER=1 times the output gradients kept
+# the other way (copied or in place, against the width's table); TESTS=0 skips the tests,
 # KINDS='column,...' the kinds timed at their defaults (all when unset), BENCH=0 no timings.
 set -uo pipefail
 OUT=${OUT:-gpu-kernels}
@@ -43,5 +44,6 @@ fi
 [ "${BENCH:-1}" = 1 ] && python3 benchmarks/bench_kernels.py --presets "${PRESETS:-paper350m}" --out "$OUT" ${PREV:+--prev "$PREV"} \
   --column-configs "${COL:-}" --history-configs "${HIST:-}" --history-dot "${DOT:-}" --query-configs "${QUERY:-}" \
   --write-configs "${WRITE:-}" --row-warps "${ROWS:-}" --two-slot-configs "${TWO:-}" --row-stages "${ROWSTAGES:-}" \
-  --group-slots "${GROUPSLOTS:-}" --group-weights "${GROUPWEIGHTS:-}" --group-configs "${GROUP:-}" ${ONE:+--one-slot} ${KINDS:+--kinds "$KINDS"} 2>&1 \
+  --group-slots "${GROUPSLOTS:-}" --group-weights "${GROUPWEIGHTS:-}" --group-configs "${GROUP:-}" ${ONE:+--one-slot} ${OTHER:+--other-grads} \
+  ${KINDS:+--kinds "$KINDS"} 2>&1 \
   | tee "$OUT/bench_kernels.log"

@@ -43,9 +43,11 @@ POINTERS = {  # argument: element type; the rest of the arguments are i32 or con
     "dx_ptr": "bf16", "dzr_ptr": "fp32", "y_ptr": "bf16", "ry_ptr": "fp32", "dzr_low_ptr": "fp32",
     "carry_ptr": "fp32", "carry_dr_ptr": "fp32", "src_ptr": "bf16", "out0_ptr": "bf16", "rest_ptr": "bf16",
     "part_ptr": "fp32", "dsrc_ptr": "bf16", "base_ptr": "bf16", "out_ptr": "bf16", "gcopy_ptr": "bf16",
+    "gtab_ptr": "i64",
     "dqg_part_ptr": "fp32", "acc_ptr": "fp32", "dr_ptr": "fp32",
 }
 FLOATS = {"eps"}
+INT64 = {"g_offset"}  # an offset in elements, of any size
 ALIGNED = set(POINTERS) | {"stride_s"}  # 16-divisible, as the JIT sees them on a launch
 TOKENS = "N"  # 16-divisible at every preset: so too on a launch where the kernel specialises it
 
@@ -54,7 +56,7 @@ def compile_for_sm90(fn, meta: dict, warps: int, stages: int | None = None, maxn
     names = fn.arg_names
     constexprs = {k: v for k, v in meta.items() if k in names}
     signature = {n: "constexpr" if n in constexprs else f"*{POINTERS[n]}" if n in POINTERS
-                 else "fp32" if n in FLOATS else "i32" for n in names}
+                 else "fp32" if n in FLOATS else "i64" if n in INT64 else "i32" for n in names}
     aligned = ALIGNED | ({TOKENS} if TOKENS not in fn.do_not_specialize else set())
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in aligned}
     options = {"num_warps": warps, **({"num_stages": stages} if stages else {}), **({"maxnreg": maxnreg} if maxnreg else {})}
@@ -118,7 +120,8 @@ def column_rows(d: int, heads: int, configs: list[tuple], use_ptx: bool) -> list
         for block_n, warps, stages in ([table] if table else []) + [c for c in configs if c != table]:
             if two and block_n > 1 and not stages:
                 continue  # the prefetching kernel takes two slots with one token a program
-            meta = {**head_meta(d, heads, has_b=True), "PTX": use_ptx, "LOW": two, "CARRY": False}
+            meta = {**head_meta(d, heads, has_b=True), "PTX": use_ptx, "LOW": two, "CARRY": False,
+                    "TABLE": column.grads_in_place(d)}
             if stages:
                 fn, meta = column._column_bwd_kernel, {**meta, "BLOCK_N": block_n, "STAGES": stages}
             else:
@@ -177,7 +180,7 @@ def group_rows(d: int, heads: int, configs: list[tuple], use_ptx: bool) -> list[
         for block_b in (column_group.MAX_GROUP,):
             for one_tile in (True, False):
                 fn_meta = {**meta, "BLOCK_B": block_b, "BLOCK_S": max_s, "STAGES": stages, "ONE_TILE": one_tile,
-                           "HOLD": hold if one_tile else 1, "PTX": use_ptx}
+                           "HOLD": hold if one_tile else 1, "PTX": use_ptx, "TABLE": column.grads_in_place(d)}
                 fn = column_group._column_group_kernel
                 # a tile of one head's output-gradient rows (bf16) and the group's slot rows (bf16)
                 loop_bytes = (max_s + block_b) * (d // heads) * 2
@@ -194,7 +197,8 @@ def row_bwd_rows(d: int, heads: int, stages: list[int]) -> list[dict]:
     warps = history._num_warps(d, heads, 1)
     for S in (0, 1):
         meta = {**head_meta(d, heads, has_b=True), "BLOCK_G": 1, "ACCUMULATE": S > 0, "COMPUTE_DELTA": True,
-                "COPY_GRAD": True, "WRITE_DQG": S > 0, "S": S}
+                "COPY_GRAD": not column.grads_in_place(d), "RECORD": column.grads_in_place(d), "WRITE_DQG": S > 0,
+                "S": S}
         cap, table = history.ROW_BWD_CONFIG.get((d, heads), (history.ROW_BWD_DEFAULT,) * 2)[S]
         for depth in [table] + [s for s in stages if s != table]:
             fn = history._sites_bwd_kernel

@@ -65,6 +65,19 @@ def test_fused_matches_reference_in_fp32(kind, grouping, heads, d, layers, sites
     _assert_same(ref, fused)
 
 
+@pytest.mark.parametrize("grouping", ["full", "block:2"])
+def test_fused_matches_reference_with_output_gradients_copied(grouping, monkeypatch):
+    """The widths whose backward copies each site's output gradient into one buffer (``column.grads_in_place``
+    False, d = 1280) rather than reading it where autograd left it, as these small widths do."""
+    from mhar_ablate.kernels import column
+
+    assert column.grads_in_place(32) and not column.grads_in_place(1280)
+    monkeypatch.setattr(column, "GRADS_IN_PLACE", False)
+    ref, fused = _pair("mhar", grouping, 4, 32, 3, 2)
+    _assert_same(ref, fused)
+
+
+
 def test_fused_matches_reference_with_group_passes(monkeypatch):
     """The backward by source with group passes (``kernels/column_group.py``, which the launch table takes
     from d = 1024 on): 8 layers, 17 slots, of which a group of five is summed in one pass."""
@@ -225,3 +238,32 @@ def test_compiled_loss_keeps_the_head_with_the_cross_entropy():
     assert len(graphs) > 2, "expected the fused path to break the graph"
     tail = [g for g in graphs if any("cross_entropy" in t for t in g)]
     assert len(tail) == 1 and any("function linear" in t for t in tail[0]), graphs
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "copied"])
+def test_a_site_whose_input_reaches_no_loss_contributes_nothing(in_place, monkeypatch):
+    """Site 1's input is read but not used (its sublayer's output is a function of site 0's input alone), so
+    its backward never runs: the slots' passes must read zeros for it, whether they read the output gradients
+    in place or copied, and every gradient matches the reference path's."""
+    from mhar_ablate.kernels import column
+
+    monkeypatch.setattr(column, "GRADS_IN_PLACE", in_place)
+    ref, fused = _pair("mhar", "full", 4, 32, 2, 1)
+    x0 = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(5))
+    w = torch.randn(32, 32, generator=torch.Generator().manual_seed(6)) / 32 ** 0.5
+
+    def loss_and_grads(model):
+        model.zero_grad(set_to_none=True)
+        embedded = x0.clone().requires_grad_(True)
+        res = model.residual
+        state = res.start(embedded)
+        first = res.read(state, 0)
+        for site in range(res.n_sites - 1):
+            x = first if site == 0 else res.read(state, site)  # sites 1.. read and dropped
+            res.write(state, site, torch.tanh((first if site == 1 else x) @ w))
+        loss = (res.finish(state) ** 2).sum()
+        loss.backward()
+        return loss.detach(), embedded.grad, res.query.grad, res.key_weight.grad
+
+    for got, want in zip(loss_and_grads(fused), loss_and_grads(ref)):
+        torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-6)

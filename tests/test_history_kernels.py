@@ -165,8 +165,11 @@ def _assert_planned_passes(passes, N, d, H, n_sites, block, seed) -> None:
     dzr = torch.full((column.dzr_rows(slots, n_sites, block) * H * N,), float("nan"))
     rows = column.carry_rows(passes)
     carry = column.Carry(torch.full((rows, N, d), float("nan")), torch.full((rows, N, H), float("nan")))
+    # Each site's output gradient a tensor of its own, wherever the allocator put it, as in training.
+    held = [g.clone() for g in grad_out]
+    grads = column.GradRows.of(held, base=src)
     for p in passes:
-        dx = column.run_pass(p, src, rms, grad_out, lse, delta, qg, H, block, dzr, carry)
+        dx = column.run_pass(p, src, rms, grads, lse, delta, qg, H, block, dzr, carry)
         torch.testing.assert_close(dx, dsrc_ref[p.slot].float(), rtol=1e-4, atol=1e-4)
     dqg = column.query_grads(dzr, src, H, n_sites, block)
     torch.testing.assert_close(dqg, dqg_ref.float(), rtol=1e-4, atol=1e-4)
@@ -333,7 +336,11 @@ def test_sites_backward_adds_a_base_and_sums_the_query_gradients(in_place):
     out = torch.randn(N, d, generator=torch.Generator().manual_seed(2))
     lse = torch.randn(1, N, H)
     plain, delta = torch.empty(1, N, d), torch.empty(1, N, H)
-    parts = history.sites_backward(src, plain, None, qg, H, EPS, grad_out, lse, delta, out=out)
+    table, copy = torch.full((3,), -1, dtype=torch.int64), torch.full((1, N, d), float("nan"))
+    parts = history.sites_backward(src, plain, None, qg, H, EPS, grad_out, lse, delta, out=out, grad_copy=copy,
+                                   record=(table[1:2], 123456789))
+    assert table.tolist() == [-1, 123456789, -1]  # where the site's output gradient lies, and nothing else
+    assert torch.equal(copy, grad_out)  # or its copy, for the widths that copy it
     base = torch.randn(1, N, d, generator=torch.Generator().manual_seed(3))
     got = base.clone() if in_place else torch.full((1, N, d), float("nan"))
     dqg = torch.randn(1, d, generator=torch.Generator().manual_seed(4))

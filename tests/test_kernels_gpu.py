@@ -332,8 +332,8 @@ def test_sites_forward_and_its_merge_match_float64(dtype, S, E, N, d, H, G):
 def test_sites_backward_matches_float64(dtype, S, N, d, H, accumulate):
     """One site over S sources (the per-site mode, or a block's partial sum): the sources' gradients
     written, or added to a base (the gradient a block's later sums passed back: in place, or another
-    tensor), its delta from its output, its output gradient copied, its query-row gradient (returned as
-    partial sums, and added into a row)."""
+    tensor), its delta from its output, its output gradient's offset recorded, its query-row gradient
+    (returned as partial sums, and added into a row)."""
     from mhar_ablate.kernels import history
 
     src, qg, grad_out = site_inputs(max(S, 1), N, d, 1, dtype, seed=S + N + d)
@@ -343,21 +343,24 @@ def test_sites_backward_matches_float64(dtype, S, N, d, H, accumulate):
     if S:
         out64, lse64 = oracle_site(src64, qg64[0], H)
         dsrc64, dqg64 = torch.autograd.grad((out64 * grad_out[0].double()).sum(), (src64, qg64))
-    else:  # no sources here: only the prologue (delta and the output-gradient copy) runs
+    else:  # no sources here: only the prologue (delta and the output gradient's offset) runs
         out64 = randn(torch.Generator(device=DEVICE).manual_seed(1), N, d).double()
         lse64 = torch.zeros(N, H, device=DEVICE)
     out = out64.detach().to(dtype)
     prev = randn(torch.Generator(device=DEVICE).manual_seed(2), S, N, d).to(dtype)
     grad_src = prev.clone() if accumulate == "in-place" else nan_like((S, N, d), dtype)
     base = {"write": None, "in-place": grad_src, "base": prev}[accumulate]
-    delta, copy = nan_like((1, N, H), torch.float32), nan_like((1, N, d), dtype)
+    delta, table = nan_like((1, N, H), torch.float32), torch.full((3,), -1, dtype=torch.int64, device=DEVICE)
     lse = lse64.detach().float().unsqueeze(0).contiguous()
     if S:  # the query-row gradient added into a row, as the fused path takes it
         row = torch.zeros(1, d, device=DEVICE)  # (that it adds: tests/test_history_kernels.py)
         history.sites_backward(src, torch.empty_like(src), None, qg, H, EPS, grad_out, lse, delta.clone(),
                                out=out, dqg=row)
         assert_qg_grad(row, dqg64, src, grad_out, dtype)
-    parts = history.sites_backward(src, grad_src, base, qg, H, EPS, grad_out, lse, delta, out=out, grad_copy=copy)
+    copy = nan_like((1, N, d), dtype)
+    parts = history.sites_backward(src, grad_src, base, qg, H, EPS, grad_out, lse, delta, out=out, grad_copy=copy,
+                                   record=(table[1:2], -(1 << 40) - 8))
+    assert table.tolist() == [-1, -(1 << 40) - 8, -1]
     assert torch.equal(copy, grad_out)
     delta_truth = (grad_out[0].double() * out.double()).view(N, H, -1).sum(-1)
     assert rel_err(delta[0], delta_truth) <= LSE_TOL
@@ -426,9 +429,12 @@ def assert_planned_passes(passes, dtype, N, d, H, n_sites, block, seed) -> None:
     dzr = nan_like((column.dzr_rows(slots, n_sites, block) * H * N,), torch.float32)
     rows = column.carry_rows(passes)
     carry = column.Carry(nan_like((rows, N, d), torch.float32), nan_like((rows, N, H), torch.float32))
+    # Each site's output gradient a tensor of its own, wherever the allocator put it, as in training.
+    held = [g.clone() for g in grad_out]
+    grads = column.GradRows.of(held, base=src)
     for p in passes:
         poison()
-        dx = column.run_pass(p, src, rms, grad_out, lse, delta, qg, H, block, dzr, carry)
+        dx = column.run_pass(p, src, rms, grads, lse, delta, qg, H, block, dzr, carry)
         assert dx.dtype == dtype
         assert rel_err(dx, dsrc64[p.slot]) <= TOL[dtype], f"slot {p.slot}: {rel_err(dx, dsrc64[p.slot]):.2e}"
     assert_qg_grad(column.query_grads(dzr, src, H, n_sites, block), dqg64, src, grad_out, dtype)

@@ -5,9 +5,9 @@ Summing source gradients site by site, as the forward runs, reads each source an
 gradient once per site that sees it: three source-sized transfers per (site, source) pair, 3,675 of them a
 step at the paper's 350M shape. But a slot's gradient is needed only when autograd reaches the sublayer
 that wrote it, and by then every site that reads it has run its backward. So the backward keeps each
-site's output gradient (and its ``delta``) in a buffer and computes a slot's gradient in one pass when it
-is needed: the slot is read once, written once, and each reading site's output gradient is read once,
-one transfer per pair plus two per slot (1,323 at that shape).
+site's output gradient (where autograd left it, or copied, by width: ``grad_rows``) and its ``delta``, and
+computes a slot's gradient in one pass when it is needed: the slot is read once, written once, and each
+reading site's output gradient is read once, one transfer per pair plus two per slot (1,323 at that shape).
 
 * ``_column_bwd_prefetch_kernel`` and ``_column_bwd_kernel``: one or two tokens per program, their rows of
   the slot in registers, streaming over the S sites that read the slot; each writes the slot's gradient
@@ -48,10 +48,11 @@ import triton.language as tl
 from torch import Tensor
 
 from . import ptx
+from .grad_rows import ALIGN_C, GradRows
 from .launch import device_index, head_meta, launch, num_sms, products_fit
 
 __all__ = ["column_backward", "slot_grad", "slot_passes", "pairs_slots", "group_slots", "SlotPass", "run_pass",
-           "Carry", "carry_rows", "Low", "query_grads", "dzr_rows", "dzr_block"]
+           "Carry", "carry_rows", "Low", "query_grads", "dzr_rows", "dzr_block", "GradRows", "grads_in_place"]
 
 
 @triton.jit
@@ -79,6 +80,18 @@ def _token_rows(ptr, n, N, offs_a, offs_b, b_ok, HAS_B: tl.constexpr, on=None):
     if HAS_B:
         rb = tl.load(ptr + offs_b, mask=ok & b_ok, other=0.0)
     return ra, rb
+
+
+@triton.jit
+def _grad_offset(gtab_ptr, s, S, ND, TABLE: tl.constexpr):
+    """Site s's output-gradient offset (``grad_rows``) as a [1, 1, 1] tensor: from the table (0 for s >= S, whose
+    rows the caller does not load), or s N D where the gradients are stacked."""
+    at = s + tl.arange(0, 1)
+    if TABLE:
+        off = tl.multiple_of(tl.load(gtab_ptr + at, mask=at < S, other=0), ALIGN_C)
+    else:
+        off = at.to(tl.int64) * ND
+    return off[:, None, None]
 
 
 @triton.jit
@@ -132,12 +145,12 @@ def _finish(dx_ptr, offs_a, offs_b, row_ok, b_ok, xa, xb, dxa, dxb, dr, r, D: tl
 
 @triton.jit(do_not_specialize=["N", "S", "dzr_head", "low_head"])
 def _column_bwd_kernel(
-    x_ptr, rms_ptr, g_ptr, lse_ptr, delta_ptr, qg_ptr, dx_ptr, dzr_ptr,
+    x_ptr, rms_ptr, g_ptr, gtab_ptr, lse_ptr, delta_ptr, qg_ptr, dx_ptr, dzr_ptr,
     y_ptr, ry_ptr, dzr_low_ptr, carry_ptr, carry_dr_ptr,
     N, S, dzr_head, low_head,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PTX: tl.constexpr,
-    LOW: tl.constexpr, CARRY: tl.constexpr,
+    LOW: tl.constexpr, CARRY: tl.constexpr, TABLE: tl.constexpr,
 ):
     # A program holds BLOCK_N tokens' rows, [BLOCK_N, H, .] (and, with LOW, those of the low slot y); a
     # site's query row [1, H, .] broadcasts over them. Per site the program reads one output-gradient row
@@ -177,7 +190,10 @@ def _column_bwd_kernel(
     dzr = dzr_ptr + hh.to(tl.int64)[None, :] * dzr_head + n[:, None]
     for s in tl.range(S, num_stages=STAGES):
         site = tl.cast(s, tl.int64)
-        g = g_ptr + site * N * D
+        if TABLE:  # the site's output gradient where it lies (``grad_rows``)
+            g = g_ptr + tl.multiple_of(tl.load(gtab_ptr + site), ALIGN_C)
+        else:
+            g = g_ptr + site * N * D
         ga = tl.load(g + offs_a, mask=row_ok, other=0.0).to(tl.float32)
         qa = tl.load(qg_ptr + site * D + col_a)
         gb, qb = xb, xb
@@ -199,12 +215,12 @@ def _column_bwd_kernel(
 
 @triton.jit(do_not_specialize=["N", "S", "dzr_head", "low_head"])
 def _column_bwd_prefetch_kernel(
-    x_ptr, rms_ptr, g_ptr, lse_ptr, delta_ptr, qg_ptr, dx_ptr, dzr_ptr,
+    x_ptr, rms_ptr, g_ptr, gtab_ptr, lse_ptr, delta_ptr, qg_ptr, dx_ptr, dzr_ptr,
     y_ptr, ry_ptr, dzr_low_ptr, carry_ptr, carry_dr_ptr,
     N, S, dzr_head, low_head,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, PAIR: tl.constexpr, PTX: tl.constexpr,
-    LOW: tl.constexpr, CARRY: tl.constexpr,
+    LOW: tl.constexpr, CARRY: tl.constexpr, TABLE: tl.constexpr,
 ):
     # One token (two with PAIR) per program, its row in registers [1, H, .] (with LOW, one token, and its
     # row of the low slot y beside it), streaming over the S sites: per site one output-gradient row from
@@ -255,7 +271,9 @@ def _column_bwd_prefetch_kernel(
     # Loads one site ahead (see mhar_triton: loads that feed no dot are not pipelined by the compiler
     # unless asked, and the shared-memory pipeline measured slower here); the limit is a tensor mask.
     first = tl.where(S > 0, 1, 0)
-    g = g_ptr
+    # The output gradients' offsets are read two sites ahead, so that a row's load never waits for its offset's.
+    g = g_ptr + _grad_offset(gtab_ptr, 0, S, N * D, TABLE)
+    next_off = _grad_offset(gtab_ptr, 1, S, N * D, TABLE)
     next0a, next0b = _token_rows(g, n0, N, offs0_a, offs0_b, b_ok, HAS_B, first)
     if PAIR:
         next1a, next1b = _token_rows(g, n1, N, offs1_a, offs1_b, b_ok, HAS_B, first)
@@ -277,12 +295,14 @@ def _column_bwd_prefetch_kernel(
         if HAS_B:
             next_qb = tl.load(qg_ptr + (s + 1) * D + col_b, mask=jb < more * DB, other=0.0)
         g0a, g0b, lse0, delta0 = next0a.to(tl.float32), next0b.to(tl.float32), next_lse0, next_delta0
-        next0a, next0b = _token_rows(g + N * D, n0, N, offs0_a, offs0_b, b_ok, HAS_B, more)
+        g = g_ptr + next_off
+        next_off = _grad_offset(gtab_ptr, s + 2, S, N * D, TABLE)
+        next0a, next0b = _token_rows(g, n0, N, offs0_a, offs0_b, b_ok, HAS_B, more)
         next_lse0 = tl.load(lse_ptr + stat0 + N * H, mask=n0[:, None] < more * N, other=float("inf"))
         next_delta0 = tl.load(delta_ptr + stat0 + N * H, mask=n0[:, None] < more * N, other=0.0)
         if PAIR:
             g1a, g1b, lse1, delta1 = next1a.to(tl.float32), next1b.to(tl.float32), next_lse1, next_delta1
-            next1a, next1b = _token_rows(g + N * D, n1, N, offs1_a, offs1_b, b_ok, HAS_B, more)
+            next1a, next1b = _token_rows(g, n1, N, offs1_a, offs1_b, b_ok, HAS_B, more)
             next_lse1 = tl.load(lse_ptr + stat1 + N * H, mask=n1[:, None] < more * N, other=float("inf"))
             next_delta1 = tl.load(delta_ptr + stat1 + N * H, mask=n1[:, None] < more * N, other=0.0)
         rdz0, dx0a, dx0b, dr0 = _column_site(x0a, x0b, g0a, g0b, qa, qb, r0, lse0, delta0, dx0a, dx0b, dr0, HAS_B,
@@ -296,7 +316,6 @@ def _column_bwd_prefetch_kernel(
             rdz0, dy0a, dy0b, dry0 = _column_site(y0a, y0b, g0a, g0b, qa, qb, ry0, lse0, delta0, dy0a, dy0b, dry0,
                                                   HAS_B, PTX)
             ptx.store_f32(dzr_low + s * N, rdz0, n0[:, None] < N, PTX)
-        g += N * D
         stat0 += N * H
         if PAIR:
             stat1 += N * H
@@ -413,6 +432,24 @@ GROUP_SLOTS_BY_WIDTH = {512: 0, 1024: 16, 1280: 16}
 GROUP_SLOTS: int | None = None
 
 
+# Whether a step's backward reads the sites' output gradients where autograd left them (``grad_rows``: a table
+# of offsets, which each site's backward prologue writes) or copies each into one stacked buffer, by model
+# width. Measured on the H200 in one call (benchmarks/bench_kernels.py --other-grads, a step's calls of
+# ``full``; docs/benchmarks.md "fourteenth round"), copied -> in place: at d = 1024 the prologues 0.708 ->
+# 0.503 ms, the partial-sum backward of block:4's sites 1.296 -> 1.137, the column passes 4.487 -> 4.561; at
+# d = 512 0.367 -> 0.265, 0.664 -> 0.581 and 1.905 -> 1.971; at d = 1280 1.271 -> 1.149, 2.477 -> 2.191 but
+# the column passes 9.691 -> 10.029 (not profiled: the pipelined kernel used there reads each site's offset
+# back from shared memory before it can issue that site's row copies). Other widths take the nearest;
+# GRADS_IN_PLACE overrides the table.
+GRADS_IN_PLACE_BY_WIDTH = {512: True, 1024: True, 1280: False}
+GRADS_IN_PLACE: bool | None = None
+
+
+def grads_in_place(d: int) -> bool:
+    """Whether the backward reads the output gradients in place (a table) at width ``d``, or copies them."""
+    return GRADS_IN_PLACE if GRADS_IN_PLACE is not None else _nearest(GRADS_IN_PLACE_BY_WIDTH, d)
+
+
 def group_slots(d: int, num_heads: int, block: int = 1) -> int:
     """The most slots a group pass may take at width ``d`` with ``num_heads`` heads, when slot j is read by
     sites ``block * j`` .. (0: none)."""
@@ -474,16 +511,16 @@ class Low(NamedTuple):
     carry: Carry
 
 
-def column_backward(x: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta: Tensor, qg: Tensor,
+def column_backward(x: Tensor, rms: Tensor, grad_out: Tensor | GradRows, lse: Tensor, delta: Tensor, qg: Tensor,
                     num_heads: int) -> tuple[Tensor, Tensor]:
     """The gradient of one slot ``x`` (N, d) read by S sites, and the S sites' ``qg`` gradients from it.
 
-    ``rms`` (N,) is the slot's RMS statistic; ``grad_out`` (S, N, d) the sites' output gradients,
-    ``lse`` and ``delta`` (S, N, H) fp32 their log-sum-exps and deltas, ``qg`` (S, d) fp32 their fused
-    query rows. Returns ``(dx (N, d) in x's dtype, dqg (S, d) fp32)``.
+    ``rms`` (N,) is the slot's RMS statistic; ``grad_out`` the sites' output gradients, (S, N, d) or
+    wherever they lie (``GradRows``), ``lse`` and ``delta`` (S, N, H) fp32 their log-sum-exps and deltas,
+    ``qg`` (S, d) fp32 their fused query rows. Returns ``(dx (N, d) in x's dtype, dqg (S, d) fp32)``.
     """
     N, d = x.shape
-    S = grad_out.shape[0]
+    S = len(grad_out)
     if N == 0 or S == 0:
         return torch.zeros_like(x), torch.zeros((S, d), dtype=torch.float32, device=x.device)
     dx, dzr = slot_grad(x, rms, grad_out, lse, delta, qg, num_heads)
@@ -498,16 +535,18 @@ def _head_stride(dzr: Tensor, S: int, N: int) -> int:
     return dzr.stride(0)
 
 
-def slot_grad(x: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta: Tensor, qg: Tensor,
+def slot_grad(x: Tensor, rms: Tensor, grad_out: Tensor | GradRows, lse: Tensor, delta: Tensor, qg: Tensor,
               num_heads: int, dzr: Tensor | None = None, *, carry: Carry | None = None,
               low: Low | None = None) -> tuple[Tensor, Tensor]:
-    """``column_backward``'s first kernel, for N, S > 0: the slot's gradient and ``dz * r`` (H, S, N) fp32,
+    """``column_backward``'s first kernel, for N > 0: the slot's gradient and ``dz * r`` (H, S, N) fp32,
     written to ``dzr`` if given (a view whose heads may be strided: rows of a slot's block in the step's
-    buffer). With ``carry``, the slot's sums over its other sites are added first. With ``low``, the same
-    sites' share of a second slot is summed in the same pass (each site's output gradient and query row
-    read once for both) and left in ``low.carry``."""
+    buffer). ``grad_out``: the S sites' output gradients, (S, N, d) or ``GradRows``. With ``carry``, the
+    slot's sums over its other sites are added first. With ``low``, the same sites' share of a second slot
+    is summed in the same pass (each site's output gradient and query row read once for both) and left in
+    ``low.carry``."""
     N, d = x.shape
-    S = grad_out.shape[0]
+    grads = grad_out if isinstance(grad_out, GradRows) else GradRows.stacked(grad_out)
+    S = len(grads)
     dx = torch.empty_like(x)
     if dzr is None:
         dzr = torch.empty((num_heads, S, N), dtype=torch.float32, device=x.device)
@@ -515,8 +554,9 @@ def slot_grad(x: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta: Tens
         raise ValueError("a two-slot pass starts from no carry")
     head = _head_stride(dzr, S, N)
     block_n, warps, stages = column_config(d, two_slots=low is not None)
+    g_base, g_table, table = grads.kernel_args()
     meta = {**head_meta(d, num_heads, has_b=True), "BLOCK_N": block_n, "PTX": ptx.use_ptx(x.device),
-            "LOW": low is not None, "CARRY": carry is not None}
+            "LOW": low is not None, "CARRY": carry is not None, "TABLE": table}
     if x.device.type != "cpu":
         meta["num_warps"] = warps
     if x.device.type != "cpu" and COLUMN_MAXNREG:
@@ -530,7 +570,8 @@ def slot_grad(x: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta: Tens
     low_head = _head_stride(dzr_low, S, N) if low is not None else 0
     acc, dr = out if out is not None else (dx, rms)  # (unused pointers without LOW or CARRY)
     launch(kernel, (triton.cdiv(N, block_n),),
-           (x, rms, grad_out, lse, delta, qg, dx, dzr, y, ry, dzr_low, acc, dr, N, S, head, low_head), meta,
+           (x, rms, g_base, g_table, lse, delta, qg, dx, dzr, y, ry, dzr_low, acc, dr, N, S, head, low_head),
+           meta,
            x.device)
     return dx, dzr
 
@@ -634,20 +675,21 @@ def slot_passes(n_slots: int, n_sites: int, block: int, two_slots: bool, max_gro
     return passes
 
 
-def run_pass(p: SlotPass, sources: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta: Tensor,
+def run_pass(p: SlotPass, sources: Tensor, rms: Tensor, grad_out: Tensor | GradRows, lse: Tensor, delta: Tensor,
              qg: Tensor, num_heads: int, block: int, dzr: Tensor, carry: Carry, carried: bool = True) -> Tensor:
     """Pass ``p`` of a step's backward (``slot_passes``) over the step's tensors: ``sources`` (slots, N, d)
-    and ``rms`` (slots, N) as written in the forward; every site's ``grad_out`` (sites, N, d), ``lse`` and
-    ``delta`` (sites, N, H), ``qg`` (sites, d); the step's flat ``dz * r`` (``dzr_block``); ``carry``, where
-    a two-slot or group pass leaves the lower slots' sums and a carried pass finds them (``carried`` False:
-    the pass that would have left them did not run, so the slot takes every site that reads it). Returns
-    the slot's gradient (N, d)."""
-    j, n_sites, N = p.slot, grad_out.shape[0], sources.shape[1]
+    and ``rms`` (slots, N) as written in the forward; every site's output gradient, (sites, N, d) or
+    ``GradRows``, ``lse`` and ``delta`` (sites, N, H), ``qg`` (sites, d); the step's flat ``dz * r``
+    (``dzr_block``); ``carry``, where a two-slot or group pass leaves the lower slots' sums and a carried
+    pass finds them (``carried`` False: the pass that would have left them did not run, so the slot takes
+    every site that reads it). Returns the slot's gradient (N, d)."""
+    grads = grad_out if isinstance(grad_out, GradRows) else GradRows.stacked(grad_out)
+    j, n_sites, N = p.slot, len(grads), sources.shape[1]
     rows, sites, start, low = dzr_block(dzr, j, n_sites, block, num_heads, N), p.sites, None, None
     if p.group is not None:
         from .column_group import group_pass
 
-        group_pass(sources, rms, grad_out, lse, delta, qg, num_heads, p.group, range(block * j, n_sites), n_sites,
+        group_pass(sources, rms, grads, lse, delta, qg, num_heads, p.group, range(block * j, n_sites), n_sites,
                    block, dzr, carry.acc, carry.dr)
     if p.carried and (carried or p.group is not None):
         rows, start = rows[:, :len(sites)], carry.row(p.carry_row)
@@ -657,7 +699,7 @@ def run_pass(p: SlotPass, sources: Tensor, rms: Tensor, grad_out: Tensor, lse: T
         below = dzr_block(dzr, j - 1, n_sites, block, num_heads, N)[:, block:]
         low = Low(sources[j - 1], rms[j - 1], below, carry.row(0))
     at = slice(sites.start, sites.stop)
-    grad, _ = slot_grad(sources[j], rms[j], grad_out[at], lse[at], delta[at], qg[at], num_heads, dzr=rows,
+    grad, _ = slot_grad(sources[j], rms[j], grads.sites(at), lse[at], delta[at], qg[at], num_heads, dzr=rows,
                         carry=start, low=low)
     return grad
 

@@ -40,6 +40,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import ptx
+from .grad_rows import ALIGN_C, GradRows
 from .launch import head_meta, launch, products_fit
 from .products import head_columns, split
 
@@ -60,17 +61,26 @@ def _dot_parts(a_hi, a_lo, b_hi, b_lo, acc, HI_LO: tl.constexpr, LO_HI: tl.const
     return acc
 
 
+@triton.jit
+def _grad_offsets(gtab_ptr, s, S, ND, TABLE: tl.constexpr):
+    """Sites s's output-gradient offsets (``grad_rows``): from the table (0 past S), or s N D where stacked."""
+    if TABLE:
+        return tl.multiple_of(tl.load(gtab_ptr + s, mask=s < S, other=0), ALIGN_C)
+    return s.to(tl.int64) * ND
+
+
 # N is specialised (16-divisible in practice): the held tokens' dz * r rows are then 16-byte aligned stores.
 @triton.jit(do_not_specialize=["B", "S", "j0", "n_sites", "s_top", "block", "tokens_per_program"])
 def _column_group_kernel(
-    x_ptr, rms_ptr, g_ptr, lse_ptr, delta_ptr, qg_ptr, acc_ptr, dr_ptr, dzr_ptr,
+    x_ptr, rms_ptr, g_ptr, gtab_ptr, lse_ptr, delta_ptr, qg_ptr, acc_ptr, dr_ptr, dzr_ptr,
     N, B, S, j0, n_sites, s_top, block, tokens_per_program,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_S: tl.constexpr,
-    STAGES: tl.constexpr, ONE_TILE: tl.constexpr, HOLD: tl.constexpr, PTX: tl.constexpr,
+    STAGES: tl.constexpr, ONE_TILE: tl.constexpr, HOLD: tl.constexpr, PTX: tl.constexpr, TABLE: tl.constexpr,
 ):
-    # x_ptr, rms_ptr: the group's first slot (slots N * D and N apart); g_ptr, lse_ptr, delta_ptr, qg_ptr:
-    # the pass's first site, s_top; acc_ptr, dr_ptr: the group's carries, (B, N, D) and (B, N, H) fp32.
+    # x_ptr, rms_ptr: the group's first slot (slots N * D and N apart); g_ptr (with TABLE, gtab_ptr: the
+    # output gradients' offsets from g_ptr, ``grad_rows``), lse_ptr, delta_ptr, qg_ptr: the pass's first site,
+    # s_top; acc_ptr, dr_ptr: the group's carries, (B, N, D) and (B, N, H) fp32.
     head = tl.program_id(1)
     first_tok = tl.program_id(0).to(tl.int64) * tokens_per_program
     _, _, col_a, col_b, b_ok = head_columns(head, DH, DA, DB, BLOCK_DB)
@@ -88,6 +98,7 @@ def _column_group_kernel(
     si = tl.arange(0, BLOCK_S)
     if ONE_TILE:
         tiles = 1
+        g_off = _grad_offsets(gtab_ptr, si, S, N * D, TABLE)
         q_ok = (si < S)[:, None]
         q_hi_a, q_lo_a = split(tl.load(qg_ptr + si[:, None] * D + col_a, mask=q_ok, other=0.0), dt)
         q_hi_b, q_lo_b = q_hi_a, q_lo_a
@@ -112,7 +123,9 @@ def _column_group_kernel(
         r = tl.load(rms_ptr + bi * N + row, mask=slot_ok, other=0.0)[:, None]  # [BLOCK_B, 1]
         s = tile * BLOCK_S + si  # [BLOCK_S] sites, from s_top
         s_ok = s < S
-        g_rows = s.to(tl.int64)[:, None] * N * D + row * D
+        if not ONE_TILE:
+            g_off = _grad_offsets(gtab_ptr, s, S, N * D, TABLE)
+        g_rows = g_off[:, None] + row * D
         g_a = tl.load(g_ptr + g_rows + col_a, mask=s_ok[:, None], other=0.0)  # [BLOCK_S, DA]
         if not ONE_TILE:
             q_hi_a, q_lo_a = split(tl.load(qg_ptr + s[:, None] * D + col_a, mask=s_ok[:, None], other=0.0), dt)
@@ -194,14 +207,15 @@ def group_fits(d: int, num_heads: int) -> bool:
     return products_fit(meta) and meta["DH"] <= MAX_HEAD_WIDTH
 
 
-def group_pass(sources: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delta: Tensor, qg: Tensor,
+def group_pass(sources: Tensor, rms: Tensor, grad_out: Tensor | GradRows, lse: Tensor, delta: Tensor, qg: Tensor,
                num_heads: int, slots: range, sites: range, n_sites: int, block: int, dzr: Tensor,
                acc: Tensor, dr: Tensor) -> None:
     """Sites ``sites``' share of the gradients of slots ``slots`` (each read by all of them), left in the
     carries ``acc`` (>= B, N, d) and ``dr`` (>= B, N, H) fp32, the group's b-th slot in row b.
 
     ``sources`` (slots, N, d) and ``rms`` (slots, N) are the step's buffer and statistics, ``grad_out``
-    (n_sites, N, d), ``lse`` and ``delta`` (n_sites, N, H), ``qg`` (n_sites, d) every site's; ``dzr`` the
+    ((n_sites, N, d) or ``GradRows``), ``lse`` and ``delta`` (n_sites, N, H), ``qg`` (n_sites, d) every site's;
+    ``dzr`` the
     step's flat ``dz * r`` (``column.dzr_rows``), where slot j is read by sites ``block * j`` ..
     ``n_sites - 1``, and where this pass writes its (site, slot) rows."""
     B, S = len(slots), len(sites)
@@ -211,6 +225,7 @@ def group_pass(sources: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delt
                          f"slots {slots}, sites {sites} of {n_sites}, block {block}")
     if N == 0:
         return
+    grads = grad_out if isinstance(grad_out, GradRows) else GradRows.stacked(grad_out)
     meta = head_meta(d, num_heads, has_b=True)
     if not group_fits(d, num_heads):
         raise ValueError(f"a group pass needs heads 16 to {MAX_HEAD_WIDTH} channels wide, in blocks of at least "
@@ -225,11 +240,12 @@ def group_pass(sources: Tensor, rms: Tensor, grad_out: Tensor, lse: Tensor, delt
     tokens, warps, stages, max_s, hold = unpack_config(config)
     block_s = min(max_s, max(16, triton.next_power_of_2(S)))
     one_tile = S <= block_s
+    g_base, g_table, table = grads.sites(sites.start).kernel_args()
     meta.update(BLOCK_B=MAX_GROUP, BLOCK_S=block_s, STAGES=stages, ONE_TILE=one_tile, HOLD=hold if one_tile else 1,
-                PTX=ptx.use_ptx(sources.device))
+                PTX=ptx.use_ptx(sources.device), TABLE=table)
     if not cpu:
         meta["num_warps"] = warps
     s0, j0 = sites.start, slots.start
     launch(_column_group_kernel, (triton.cdiv(N, tokens), num_heads),
-           (sources[j0], rms[j0], grad_out[s0], lse[s0], delta[s0], qg[s0], acc, dr, dzr,
+           (sources[j0], rms[j0], g_base, g_table, lse[s0], delta[s0], qg[s0], acc, dr, dzr,
             N, B, S, j0, n_sites, s0, block, tokens), meta, sources.device)

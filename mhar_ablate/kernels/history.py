@@ -14,7 +14,8 @@ Two families of kernels:
 * one token per program, the whole row of d channels (``_sites_fwd_kernel``, ``_sites_bwd_kernel``): a
   site (or a few) over its sources, the per-site mode, and the merge of a site with the sources it reads
   beyond its group's history. The RMS of a source is computed from the row. The backward kernel also
-  keeps a site's output gradient and its ``delta = <g, out>`` for the slots' backward.
+  writes a site's ``delta = <g, out>`` for the slots' backward, and where its output gradient lies (or a copy
+  of it).
 * one routing head per program, the shared pass of G > 2 sites (``history_forward``). Holding G sites'
   accumulators for a whole row would fill the register file (measured on the H200: a shared pass of 8
   sites over full rows took 53 ms a step against 25 ms for one pass per site); a head's [G, d/H] tile is
@@ -182,13 +183,14 @@ def _sites_fwd_kernel(
     tl.store(lse_ptr + kh, m + tl.log(l), mask=kh_ok)
 
 
-@triton.jit(do_not_specialize=["N", "G", "tokens_per_program"])
+@triton.jit(do_not_specialize=["N", "G", "tokens_per_program", "g_offset"])
 def _sites_bwd_kernel(
-    src_ptr, dsrc_ptr, base_ptr, qg_ptr, g_ptr, lse_ptr, delta_ptr, out_ptr, gcopy_ptr, dqg_part_ptr,
-    N, G, stride_s, eps, tokens_per_program,
+    src_ptr, dsrc_ptr, base_ptr, qg_ptr, g_ptr, lse_ptr, delta_ptr, out_ptr, gcopy_ptr, gtab_ptr, dqg_part_ptr,
+    N, G, stride_s, eps, tokens_per_program, g_offset,
     S: tl.constexpr, D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_G: tl.constexpr, ACCUMULATE: tl.constexpr,
-    COMPUTE_DELTA: tl.constexpr, COPY_GRAD: tl.constexpr, WRITE_DQG: tl.constexpr, STAGES: tl.constexpr,
+    COMPUTE_DELTA: tl.constexpr, COPY_GRAD: tl.constexpr, RECORD: tl.constexpr, WRITE_DQG: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     # Persistent: program p walks tokens p, p + P, ... so that the qg-gradient partial sums are one
     # [BLOCK_G, D] row per program, not per token. ACCUMULATE: the sources' gradients are base + this
@@ -197,6 +199,9 @@ def _sites_bwd_kernel(
     # the next tokens' rows are copied into shared memory while this one is reduced.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
+    if RECORD:  # where the column passes will find this site's output gradient (``grad_rows``)
+        if pid == 0:
+            tl.store(gtab_ptr, g_offset)
     k = tl.arange(0, BLOCK_G)[:, None, None]
     h = tl.arange(0, H)[None, :, None]
     ja = tl.arange(0, DA)[None, None, :]
@@ -668,7 +673,8 @@ def history_forward(sources: Tensor, rms: Tensor, qg: Tensor, num_heads: int, ou
 
 def sites_backward(sources: Tensor, grad_sources: Tensor, base: Tensor | None, qg: Tensor, num_heads: int,
                    eps: float, grad_out: Tensor, lse: Tensor, delta: Tensor, out: Tensor | None = None,
-                   grad_copy: Tensor | None = None, dqg: Tensor | None = None) -> Tensor | None:
+                   grad_copy: Tensor | None = None, record: tuple[Tensor, int] | None = None,
+                   dqg: Tensor | None = None) -> Tensor | None:
     """Gradients of ``sources`` (S, N, d) summed over G sites, a whole row per program, written to
     ``grad_sources`` (same layout), plus ``base`` if given (same layout; ``grad_sources`` itself adds in
     place). The sites' ``qg`` gradients are added to ``dqg`` (G, d) fp32 if given; else returned as the
@@ -677,7 +683,9 @@ def sites_backward(sources: Tensor, grad_sources: Tensor, base: Tensor | None, q
 
     ``grad_out`` (G, N, d), ``lse`` and ``delta`` (G, N, H) fp32 describe the sites. With ``out`` (one
     site's output, G = 1) ``delta`` is computed from it and written, and ``grad_out`` is copied into
-    ``grad_copy`` if given. S may be 0: then only that prologue runs. S is compiled into the kernel (its
+    ``grad_copy`` if given. ``record`` (a one-element int64 tensor and a value): the value is stored there, on
+    the device (the site's output-gradient offset in the step's ``grad_rows.GradRows``). S may be 0: then
+    only that prologue runs. S is compiled into the kernel (its
     sources unrolled), so each source count is a kernel of its own; training takes 0 and 1.
     """
     S, N, d = sources.shape
@@ -687,7 +695,8 @@ def sites_backward(sources: Tensor, grad_sources: Tensor, base: Tensor | None, q
         return None if S == 0 or dqg is not None else torch.zeros((1, block_g, d), dtype=torch.float32,
                                                                    device=sources.device)
     meta = {**head_meta(d, num_heads, has_b=True), "BLOCK_G": block_g, "ACCUMULATE": base is not None,
-            "COMPUTE_DELTA": out is not None, "COPY_GRAD": grad_copy is not None, "WRITE_DQG": S > 0, "S": S}
+            "COMPUTE_DELTA": out is not None, "COPY_GRAD": grad_copy is not None, "RECORD": record is not None,
+            "WRITE_DQG": S > 0, "S": S}
     cap, meta["STAGES"] = ROW_BWD_CONFIG.get((d, num_heads), (ROW_BWD_DEFAULT,) * 2)[S > 0]
     if ROW_BWD_STAGES:
         meta["STAGES"] = ROW_BWD_STAGES
@@ -695,12 +704,13 @@ def sites_backward(sources: Tensor, grad_sources: Tensor, base: Tensor | None, q
         meta["num_warps"] = _num_warps(d, num_heads, block_g)
         if ROW_MAXNREG or cap:
             meta["maxnreg"] = ROW_MAXNREG or cap
+    table, value = record if record is not None else (delta, 0)
     args = [sources, grad_sources, base if base is not None else grad_sources, qg, grad_out, lse, delta,
-            out if out is not None else grad_out, grad_copy if grad_copy is not None else grad_out,
-            torch.empty((1, block_g, d), dtype=torch.float32, device=sources.device), N, G, N * d, eps, 1]
+            out if out is not None else grad_out, grad_copy if grad_copy is not None else grad_out, table,
+            torch.empty((1, block_g, d), dtype=torch.float32, device=sources.device), N, G, N * d, eps, 1, value]
     programs = persistent_programs(_sites_bwd_kernel, args, meta, sources.device, N)
     partials = torch.empty((programs if S else 1, block_g, d), dtype=torch.float32, device=sources.device)
-    args[9], args[-1] = partials, triton.cdiv(N, programs)
+    args[10], args[15] = partials, triton.cdiv(N, programs)
     launch(_sites_bwd_kernel, (programs,), tuple(args), meta, sources.device)
     if not S:
         return None

@@ -19,7 +19,8 @@ for backward). Here, per forward pass:
   slots written inside the group (``full``) or the block's partial sum (``block``). A group of one site
   is the per-site mode: one pass over everything the site reads.
 - backward recomputes everything from the buffer, by source rather than by site: each site's backward
-  keeps its output gradient (in a buffer of the same shape) and its ``delta``; a slot's writer, whose
+  keeps its output gradient (where autograd left it, its offset in a table on the device, or a copy in a
+  buffer of the same shape, by width: ``kernels.grad_rows``) and its ``delta``; a slot's writer, whose
   backward autograd runs once every site that reads the slot has run its own, computes the slot's whole
   gradient in one pass over those sites (``kernels.column``); an odd slot's pass also sums the share of
   the slot below it from the same sites, so that slot's own pass reads only the sites that read it alone,
@@ -122,10 +123,13 @@ class FusedState:
         n_slots = residual.n_sites if residual.block_sublayers == 1 else 1 + (residual.n_sites - 1) // residual.block_sublayers
         self.buffer = torch.empty((n_slots, self.N, d), dtype=self.dtype, device=dev)
         self.rms = torch.empty((n_slots, self.N), dtype=torch.float32, device=dev)
-        # Backward state, allocated by the first site's backward: every site's output gradient and delta
-        # (sites [clean_from, n_sites) that did not run their backward have zeros there), and the routing
-        # parameters' gradient.
-        self.grad_out: Tensor | None = None
+        # Backward state, allocated by the first site's backward: where every site's output gradient lies
+        # (``grads``: in place, the tensors held in ``held`` until the slots' passes have read them, or copied
+        # into one buffer, as ``column.grads_in_place`` says for the width), its delta (sites [clean_from,
+        # n_sites) that did not run their backward read zeros), and the routing parameters' gradient.
+        self.grads = None
+        self.held: list[Tensor | None] = [None] * residual.n_sites
+        self.zeros: Tensor | None = None
         self.delta: Tensor | None = None
         self.ran = [False] * residual.n_sites
         self.clean_from = residual.n_sites
@@ -195,7 +199,8 @@ class FusedState:
         of the step that compiled the model stays in a reference cycle until Python's cyclic collector runs
         (seen on the CPU). Its buffers (the sources, the sites' output gradients, dz * r: about 2 GB at
         ``paper350m``) would then still be allocated during the next steps."""
-        self.buffer = self.rms = self.grad_out = self.delta = self.dzr = self.dqg = self.lse = self.qg = None
+        self.buffer = self.rms = self.grads = self.zeros = self.delta = self.dzr = self.dqg = self.lse = self.qg = None
+        self.held = []
         self.carry = None
         self.released = True
 
@@ -271,9 +276,16 @@ class FusedState:
     # -------------------------------------------------------------------------------- backward
 
     def _backward_buffers(self) -> None:
-        if self.grad_out is None:
+        if self.grads is None:
+            from ...kernels.grad_rows import GradRows
+
             n, dev = self.res.n_sites, self.buffer.device
-            self.grad_out = torch.empty((n, self.N, self.d), dtype=self.dtype, device=dev)
+            from ...kernels.column import grads_in_place
+
+            if grads_in_place(self.d):
+                self.grads = GradRows(self.buffer, torch.empty(n, dtype=torch.int64, device=dev))
+            else:
+                self.grads = GradRows.stacked(torch.empty((n, self.N, self.d), dtype=self.dtype, device=dev))
             self.delta = torch.empty((n, self.N, self.res.num_heads), dtype=torch.float32, device=dev)
             self.dqg = torch.zeros((n, self.d), dtype=torch.float32, device=dev)
             # Every slot's dz * r, (H, S_j, N) one after the other, for the query gradients' one product
@@ -309,18 +321,38 @@ class FusedState:
         self._refuse_released()
         self._backward_buffers()
         N, d, H, eps = self.N, self.d, self.res.num_heads, self.res.eps
-        g = grad_out.to(self.dtype).reshape(1, N, d).contiguous()
+        g = grad_out.to(self.dtype).reshape(N, d)
         rows = slice(site, site + 1)
+        if self.grads.offsets is None:
+            g, keep = g.contiguous(), {"grad_copy": self.grads.base[rows]}
+        else:
+            g = self._hold(site, g)
+            keep = {"record": (self.grads.offsets[rows], self.grads.offset_of(g))}
         extras = self._extras(self.plans[site], partial) if partial is not None else self.buffer[:0]
         grad_extras = torch.empty_like(extras)
         if base is not None:
             base = base.to(extras.dtype).reshape(1, N, d).contiguous()
-        sites_backward(extras, grad_extras, base, self.qg[rows], H, eps, g, self.lse[rows], self.delta[rows],
-                       out=out.reshape(N, d), grad_copy=self.grad_out[rows], dqg=self.dqg[rows])
+        sites_backward(extras, grad_extras, base, self.qg[rows], H, eps, g.unsqueeze(0), self.lse[rows],
+                       self.delta[rows], out=out.reshape(N, d), dqg=self.dqg[rows], **keep)
         self.ran[site] = True
         if partial is None:
             return None
         return grad_extras.view(self.shape).to(partial.dtype)
+
+    def _hold(self, site: int, grad: Tensor) -> Tensor:
+        """The site's output gradient (N, d) as the column passes will read it, held until they have: autograd's
+        tensor itself where a kernel can read it in place and it owns its memory (a view of a larger one
+        would keep all of it alive), else a copy."""
+        if self.grads.offset_of(grad) is None or grad.untyped_storage().nbytes() != grad.nbytes:
+            grad = grad.clone(memory_format=torch.contiguous_format)
+        self.held[site] = grad
+        return grad
+
+    def _zeros(self) -> Tensor:
+        """An output gradient of zeros, for the sites whose output did not reach the loss."""
+        if self.zeros is None:
+            self.zeros = torch.zeros((self.N, self.d), dtype=self.dtype, device=self.buffer.device)
+        return self.zeros
 
     def slot_grad(self, slot: int) -> Tensor:
         """The slot's gradient (N, d), from every site that reads it: sites [first, n_sites), in the pass
@@ -328,17 +360,20 @@ class FusedState:
         from ...kernels.column import run_pass
 
         self._refuse_released()
-        if self.grad_out is None:  # no site's output reached the loss
+        if self.grads is None:  # no site's output reached the loss
             return torch.zeros((self.N, self.d), dtype=self.dtype, device=self.buffer.device)
         K = self.res.block_sublayers
         first = slot * K
         for s in range(first, self.clean_from):
             if not self.ran[s]:  # its output did not reach the loss: it contributes nothing
-                self.grad_out[s].zero_()
+                if self.grads.offsets is None:
+                    self.grads.base[s].zero_()
+                else:
+                    self.grads.offsets[s].fill_(self.grads.offset_of(self._zeros()))
                 self.delta[s].zero_()
         self.clean_from = min(self.clean_from, first)
         plan = self.passes[slot]
-        grad = run_pass(plan, self.buffer, self.rms, self.grad_out, self.lse, self.delta, self.qg, self.res.num_heads,
+        grad = run_pass(plan, self.buffer, self.rms, self.grads, self.lse, self.delta, self.qg, self.res.num_heads,
                         K, self.dzr, self.carry, carried=slot in self.carried)
         if plan.group is not None:
             self.carried = set(plan.group) - {slot}
