@@ -180,3 +180,36 @@ def test_checkpoint_size_estimate_covers_a_real_checkpoint(tmp_path):
     # A completed run's last checkpoint leaves the optimiser's state out: about a third of that.
     assert train_run(cfg, tmp_path / "done", tmp_path / "cache", log=lambda m: None)["status"] == "completed"
     assert 4 * params <= (tmp_path / "done" / "checkpoints" / "last.ckpt").stat().st_size < 8 * params
+
+
+def test_a_checkpoint_replaced_while_it_is_read_is_read_again(tmp_path, monkeypatch):
+    """A run renames its new checkpoint over the old one while another process reads it (a study's second
+    worker checking the points still to train). torch.load with mmap opens the file twice, so the read can
+    fail on the mix of both files: it is read again, and the new checkpoint is what comes back. A broken
+    file that nothing replaced is refused at once, in one clear error."""
+    import torch
+
+    from mhar_ablate.training import checkpoint
+
+    path = tmp_path / "last.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(3)}, "global_step": 4}, path)
+    newer = tmp_path / "last.ckpt.tmp"
+    torch.save({"state_dict": {"w": torch.ones(3)}, "global_step": 8}, newer)
+    real_load, calls = torch.load, []
+
+    def load_while_replaced(f, *args, **kwargs):
+        calls.append(f)
+        if newer.exists():  # the run renames its new checkpoint over the file mid-read
+            os.replace(newer, path)
+            raise RuntimeError("unexpected EOF: the size of the file is smaller than the requested size")
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "load", load_while_replaced)
+    state = checkpoint.read_checkpoint(path, mmap=True)
+    assert state["global_step"] == 8 and len(calls) == 2
+
+    path.write_bytes(b"not a checkpoint")
+    calls.clear()
+    with pytest.raises(UsageError, match="cannot be loaded safely.*delete it"):
+        checkpoint.read_checkpoint(path, mmap=True)
+    assert len(calls) == 1
