@@ -48,7 +48,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import ptx
-from .grad_rows import ALIGN_C, GradRows
+from .grad_rows import ALIGN_C, GradRows, site_offsets
 from .launch import device_index, head_meta, launch, num_sms, products_fit
 
 __all__ = ["column_backward", "slot_grad", "slot_passes", "pairs_slots", "group_slots", "SlotPass", "run_pass",
@@ -84,14 +84,8 @@ def _token_rows(ptr, n, N, offs_a, offs_b, b_ok, HAS_B: tl.constexpr, on=None):
 
 @triton.jit
 def _grad_offset(gtab_ptr, s, S, ND, TABLE: tl.constexpr):
-    """Site s's output-gradient offset (``grad_rows``) as a [1, 1, 1] tensor: from the table (0 for s >= S, whose
-    rows the caller does not load), or s N D where the gradients are stacked."""
-    at = s + tl.arange(0, 1)
-    if TABLE:
-        off = tl.multiple_of(tl.load(gtab_ptr + at, mask=at < S, other=0), ALIGN_C)
-    else:
-        off = at.to(tl.int64) * ND
-    return off[:, None, None]
+    """Site s's output-gradient offset (``grad_rows.site_offsets``) as a [1, 1, 1] tensor."""
+    return site_offsets(gtab_ptr, s + tl.arange(0, 1), S, ND, TABLE)[:, None, None]
 
 
 @triton.jit
@@ -571,8 +565,7 @@ def slot_grad(x: Tensor, rms: Tensor, grad_out: Tensor | GradRows, lse: Tensor, 
     acc, dr = out if out is not None else (dx, rms)  # (unused pointers without LOW or CARRY)
     launch(kernel, (triton.cdiv(N, block_n),),
            (x, rms, g_base, g_table, lse, delta, qg, dx, dzr, y, ry, dzr_low, acc, dr, N, S, head, low_head),
-           meta,
-           x.device)
+           meta, x.device)
     return dx, dzr
 
 

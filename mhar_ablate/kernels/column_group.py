@@ -40,7 +40,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import ptx
-from .grad_rows import ALIGN_C, GradRows
+from .grad_rows import GradRows, site_offsets
 from .launch import head_meta, launch, products_fit
 from .products import head_columns, split
 
@@ -59,14 +59,6 @@ def _dot_parts(a_hi, a_lo, b_hi, b_lo, acc, HI_LO: tl.constexpr, LO_HI: tl.const
     if LO_HI:
         acc = tl.dot(a_lo, b_hi, acc, input_precision=PREC)
     return acc
-
-
-@triton.jit
-def _grad_offsets(gtab_ptr, s, S, ND, TABLE: tl.constexpr):
-    """Sites s's output-gradient offsets (``grad_rows``): from the table (0 past S), or s N D where stacked."""
-    if TABLE:
-        return tl.multiple_of(tl.load(gtab_ptr + s, mask=s < S, other=0), ALIGN_C)
-    return s.to(tl.int64) * ND
 
 
 # N is specialised (16-divisible in practice): the held tokens' dz * r rows are then 16-byte aligned stores.
@@ -98,7 +90,7 @@ def _column_group_kernel(
     si = tl.arange(0, BLOCK_S)
     if ONE_TILE:
         tiles = 1
-        g_off = _grad_offsets(gtab_ptr, si, S, N * D, TABLE)
+        g_off = site_offsets(gtab_ptr, si, S, N * D, TABLE)
         q_ok = (si < S)[:, None]
         q_hi_a, q_lo_a = split(tl.load(qg_ptr + si[:, None] * D + col_a, mask=q_ok, other=0.0), dt)
         q_hi_b, q_lo_b = q_hi_a, q_lo_a
@@ -124,7 +116,7 @@ def _column_group_kernel(
         s = tile * BLOCK_S + si  # [BLOCK_S] sites, from s_top
         s_ok = s < S
         if not ONE_TILE:
-            g_off = _grad_offsets(gtab_ptr, s, S, N * D, TABLE)
+            g_off = site_offsets(gtab_ptr, s, S, N * D, TABLE)
         g_rows = g_off[:, None] + row * D
         g_a = tl.load(g_ptr + g_rows + col_a, mask=s_ok[:, None], other=0.0)  # [BLOCK_S, DA]
         if not ONE_TILE:
@@ -215,8 +207,7 @@ def group_pass(sources: Tensor, rms: Tensor, grad_out: Tensor | GradRows, lse: T
 
     ``sources`` (slots, N, d) and ``rms`` (slots, N) are the step's buffer and statistics, ``grad_out``
     ((n_sites, N, d) or ``GradRows``), ``lse`` and ``delta`` (n_sites, N, H), ``qg`` (n_sites, d) every site's;
-    ``dzr`` the
-    step's flat ``dz * r`` (``column.dzr_rows``), where slot j is read by sites ``block * j`` ..
+    ``dzr`` the step's flat ``dz * r`` (``column.dzr_rows``), where slot j is read by sites ``block * j`` ..
     ``n_sites - 1``, and where this pass writes its (site, slot) rows."""
     B, S = len(slots), len(sites)
     _, N, d = sources.shape

@@ -25,15 +25,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
 import triton.language as tl
 from torch import Tensor
 
-__all__ = ["GradRows", "ALIGN", "ALIGN_C"]
+__all__ = ["GradRows", "ALIGN", "ALIGN_C", "site_offsets"]
 
 # The offsets' divisibility the kernels assume, in elements: 16 bytes of bf16, 32 of fp32. Tensors from
 # torch's allocators start 512-byte aligned. ALIGN_C: the same, as a kernel reads it.
 ALIGN = 8
 ALIGN_C = tl.constexpr(ALIGN)
+
+
+@triton.jit
+def site_offsets(gtab_ptr, s, S, ND, TABLE: tl.constexpr):
+    """The output-gradient offsets of sites ``s`` (a tensor of site indices): from the table (0 for s >= S,
+    whose rows the caller does not load), or s N D where the gradients are stacked (``GradRows.stacked``)."""
+    if TABLE:
+        return tl.multiple_of(tl.load(gtab_ptr + s, mask=s < S, other=0), ALIGN_C)
+    return s.to(tl.int64) * ND
 
 
 @dataclass(frozen=True)

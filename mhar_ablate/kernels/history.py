@@ -685,8 +685,8 @@ def sites_backward(sources: Tensor, grad_sources: Tensor, base: Tensor | None, q
     site's output, G = 1) ``delta`` is computed from it and written, and ``grad_out`` is copied into
     ``grad_copy`` if given. ``record`` (a one-element int64 tensor and a value): the value is stored there, on
     the device (the site's output-gradient offset in the step's ``grad_rows.GradRows``). S may be 0: then
-    only that prologue runs. S is compiled into the kernel (its
-    sources unrolled), so each source count is a kernel of its own; training takes 0 and 1.
+    only that prologue runs. S is compiled into the kernel (its sources unrolled), so each source count is a
+    kernel of its own; training takes 0 and 1.
     """
     S, N, d = sources.shape
     G = qg.shape[0]

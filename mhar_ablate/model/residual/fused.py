@@ -128,7 +128,7 @@ class FusedState:
         # into one buffer, as ``column.grads_in_place`` says for the width), its delta (sites [clean_from,
         # n_sites) that did not run their backward read zeros), and the routing parameters' gradient.
         self.grads = None
-        self.held: list[Tensor | None] = [None] * residual.n_sites
+        self.held: list[Tensor | None] = []
         self.zeros: Tensor | None = None
         self.delta: Tensor | None = None
         self.ran = [False] * residual.n_sites
@@ -277,13 +277,12 @@ class FusedState:
 
     def _backward_buffers(self) -> None:
         if self.grads is None:
-            from ...kernels.grad_rows import GradRows
+            from ...kernels.column import GradRows, grads_in_place
 
             n, dev = self.res.n_sites, self.buffer.device
-            from ...kernels.column import grads_in_place
-
             if grads_in_place(self.d):
                 self.grads = GradRows(self.buffer, torch.empty(n, dtype=torch.int64, device=dev))
+                self.held = [None] * n
             else:
                 self.grads = GradRows.stacked(torch.empty((n, self.N, self.d), dtype=self.dtype, device=dev))
             self.delta = torch.empty((n, self.N, self.res.num_heads), dtype=torch.float32, device=dev)
@@ -326,8 +325,8 @@ class FusedState:
         if self.grads.offsets is None:
             g, keep = g.contiguous(), {"grad_copy": self.grads.base[rows]}
         else:
-            g = self._hold(site, g)
-            keep = {"record": (self.grads.offsets[rows], self.grads.offset_of(g))}
+            g, offset = self._hold(site, g)
+            keep = {"record": (self.grads.offsets[rows], offset)}
         extras = self._extras(self.plans[site], partial) if partial is not None else self.buffer[:0]
         grad_extras = torch.empty_like(extras)
         if base is not None:
@@ -339,14 +338,16 @@ class FusedState:
             return None
         return grad_extras.view(self.shape).to(partial.dtype)
 
-    def _hold(self, site: int, grad: Tensor) -> Tensor:
-        """The site's output gradient (N, d) as the column passes will read it, held until they have: autograd's
-        tensor itself where a kernel can read it in place and it owns its memory (a view of a larger one
-        would keep all of it alive), else a copy."""
-        if self.grads.offset_of(grad) is None or grad.untyped_storage().nbytes() != grad.nbytes:
+    def _hold(self, site: int, grad: Tensor) -> tuple[Tensor, int]:
+        """The site's output gradient (N, d) as the column passes will read it, held until they have, and its
+        offset in ``grads``: autograd's tensor itself where a kernel can read it in place and it owns its
+        memory (a view of a larger one would keep all of it alive), else a copy."""
+        offset = self.grads.offset_of(grad)
+        if offset is None or grad.untyped_storage().nbytes() != grad.nbytes:
             grad = grad.clone(memory_format=torch.contiguous_format)
+            offset = self.grads.offset_of(grad)
         self.held[site] = grad
-        return grad
+        return grad, offset
 
     def _zeros(self) -> Tensor:
         """An output gradient of zeros, for the sites whose output did not reach the loss."""
