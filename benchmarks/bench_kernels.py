@@ -18,6 +18,8 @@ them, for example those of a commit REV:
 Bytes per call (e = bytes of an element of the buffer, U = N·d·e one source):
 - write_slot: read the source and write the slot, 2 U, and the RMS (N fp32).
 - history_fwd (the shared pass of G sites over S slots): S U + S·N·4 (RMS) read, G U + G·N·H·4 (lse) written.
+- block_history (``block:4``'s shared passes: a block's sites in groups of four over the slots of the blocks
+  finished before it): as history_fwd.
 - sites_fwd (a site's merge with its k extra slots, and the lone last group): k U + the partial state U read,
   U written, the log-sum-exps read and written.
 - sites_bwd (each site's backward prologue): the output gradient and the output read, 2 U (3 U with an earlier
@@ -96,6 +98,7 @@ class Step:
             kernels["history"].write_slot(self.source[j], self.buffer[j], self.rms[j], 1e-6)
         self.qg = torch.randn(n, d, generator=gen, device=device) * 0.5 / d ** 0.5 * 8
         self.lse = torch.empty((n, N, H), dtype=torch.float32, device=device)
+        self.block_lse = torch.empty((n, N, H), dtype=torch.float32, device=device)
         self.grad_out = randn(n, N, d)
         self.out = randn(n, N, d)
         self.delta = torch.empty((n, N, H), dtype=torch.float32, device=device)
@@ -139,24 +142,22 @@ class Step:
                     return self.buffer[j], self.rms[j]
 
                 out.append((write, 2 * U + N * 4))
-        elif kind in ("history_fwd", "sites_fwd"):
+        elif kind == "history_fwd":
+            out = self.shared_passes(self.plans, self.lse, history)
+        elif kind == "block_history":
+            # block:4's shared passes: a group of four sites of a block (eight sites) over the slots of the
+            # blocks finished before it, with log-sum-exps of their own (the column kernels read the step's)
+            out = self.shared_passes(plan_sites(self.n_sites, 8, SITES_PER_PASS), self.block_lse, history)
+        elif kind == "sites_fwd":
             for p in self.plans:
                 rows = slice(p.start, p.start + p.size)
                 h = p.history
-                if p.k == 0 and kind == "history_fwd" and p.size > 2:
-                    def shared_pass(p=p, rows=rows, h=h):
-                        first, rest = self.first[p.start], self.rest[p.start]
-                        history.history_forward(self.buffer[:h], self.rms[:h], self.qg[rows], H, first, rest,
-                                                self.lse[rows])
-                        return first, rest[:p.size - 1], self.lse[rows]
-
-                    out.append((shared_pass, h * U + h * N * 4 + p.size * (U + N * H * 4)))
-                if p.k == 0 and kind == "sites_fwd" and p.size <= 2:
+                if p.k == 0 and p.size <= 2:
                     out.append((lambda p=p, rows=rows, h=h: history.sites_forward(
                         self.buffer[:h], self.qg[rows], H, eps, self.first[p.start],
                         self.rest[p.start] if p.size > 1 else None, self.lse[rows], rms=self.rms[:h]),
                         h * U + h * N * 4 + p.size * (U + N * H * 4)))
-                if p.k > 0 and kind == "sites_fwd":
+                if p.k > 0:
                     site = p.start + p.k
                     state = self.rest[p.start][p.k - 1]
                     # The merge writes its output to a scratch row, but its log-sum-exp back in place: each replay
@@ -252,6 +253,23 @@ class Step:
         return out
 
 
+    def shared_passes(self, plans, lse, history) -> list[tuple]:
+        """(closure, bytes) for the shared passes of ``plans``' groups of more than two sites, writing their
+        log-sum-exps to ``lse``."""
+        N, H, U = self.N, self.H, self.U
+        out = []
+        for p in plans:
+            if p.k == 0 and p.size > 2:
+                rows, h = slice(p.start, p.start + p.size), p.history
+
+                def run(p=p, rows=rows, h=h):
+                    first, rest = self.first[p.start], self.rest[p.start]
+                    history.history_forward(self.buffer[:h], self.rms[:h], self.qg[rows], H, first, rest, lse[rows])
+                    return first, rest[:p.size - 1], lse[rows]
+
+                out.append((run, h * U + h * N * 4 + p.size * (U + N * H * 4)))
+        return out
+
     def in_place(self, kernels) -> bool:
         """Whether these kernels read the output gradients where they lie (a table) at this width."""
         return hasattr(kernels["column"], "grads_in_place") and kernels["column"].grads_in_place(self.d)
@@ -277,7 +295,7 @@ class Step:
 
 
 KINDS = ("write_slot", "history_fwd", "sites_fwd", "sites_bwd", "column", "column_groups", "query_grad", "block_fwd",
-         "block_bwd")
+         "block_bwd", "block_history")
 
 
 def time_calls(calls, device, reps: int = 10) -> float:
@@ -341,6 +359,10 @@ def main() -> int:
     p.add_argument("--history-dot", default="",
                    help="'TOKENS,WARPS,STAGES,MAX_S;...' for the head-tiled forward's matrix-product form "
                    "(--history-configs entries time its reductions' form)")
+    p.add_argument("--history-tiles", default="",
+                   help="'T;...': token tiles a program of the head-tiled forward's reductions' form walks (0: as many as "
+                        "make its programs fit on the GPU at once)")
+    p.add_argument("--merge-configs", default="", help="'WARPS,STAGES;...' for the merges' kernel (sites_fwd, block_fwd)")
     p.add_argument("--query-configs", default="",
                    help="'SITES,TOKENS,WARPS,STAGES,PER_SM;...' for query_grad")
     p.add_argument("--write-configs", default="", help="'TOKENS,WARPS;...' for write_slot")
@@ -397,7 +419,8 @@ def main() -> int:
             for kind in args.kinds.split(","):
                 record(kind, "default", current)
         reference = {k: outputs(step.calls(k, current))
-                     for k in ("write_slot", "history_fwd", "sites_bwd", "column", "column_groups", "query_grad")}
+                     for k in ("write_slot", "history_fwd", "block_history", "sites_bwd", "column", "column_groups",
+                               "query_grad")}
         # the merges move their log-sum-exps in place: nothing fixed to compare
         reference["sites_fwd"] = reference["block_fwd"] = None
         reference["block_bwd"] = outputs(step.calls("block_bwd", current))
@@ -406,7 +429,8 @@ def main() -> int:
                  {k: dict(v) for k, v in history.HISTORY_CONFIG.items()}, history.WRITE_SLOT_CONFIG,
                  history.ROW_WARPS, column.TWO_SLOT_CONFIG, column.TWO_SLOTS, history.ROW_MAXNREG,
                  history.ROW_BWD_STAGES, dict(history.ROW_BWD_CONFIG), history.HISTORY_DOT_CONFIG,
-                 column.GROUP_SLOTS, column_group.GROUP_CONFIG, column.GROUP_PASS_WEIGHT, column.GRADS_IN_PLACE)
+                 column.GROUP_SLOTS, column_group.GROUP_CONFIG, column.GROUP_PASS_WEIGHT, column.GRADS_IN_PLACE,
+                 getattr(history, "HISTORY_TILES", None), dict(getattr(history, "MERGE_CONFIG", {})))
         variants = [("column", "prev", prev, None)] if prev is not None else []
         variants += [("column", f"col {c}", current, ("col", c)) for c in parse_configs(args.column_configs, False)]
         variants += [("column", f"two-slot {c}", current, ("two", c))
@@ -434,9 +458,14 @@ def main() -> int:
         variants += [(kind, f"rows {r[0]} stages" + (f", cap {r[1]}" if len(r) > 1 else ""), current, ("stages", r))
                      for kind in ("sites_bwd", "block_bwd") for r in parse_configs(args.row_stages, False)]
         if prev is not None:
-            variants += [(kind, "prev", prev, None) for kind in ("sites_bwd", "block_bwd", "history_fwd")]
-        variants += [("history_fwd", f"fwd G{g} {c}", current, (g, c))
-                     for g, c in parse_configs(args.history_configs, True)]
+            variants += [(kind, "prev", prev, None)
+                         for kind in ("sites_bwd", "block_bwd", "history_fwd", "block_history", "sites_fwd", "block_fwd")]
+        variants += [(kind, f"merge {c}", current, ("merge", c)) for c in parse_configs(args.merge_configs, False)
+                     for kind in ("sites_fwd", "block_fwd")]
+        variants += [(kind, f"tiles {t[0]}", current, ("tiles", t[0])) for t in parse_configs(args.history_tiles, False)
+                     for kind in ("history_fwd", "block_history")]
+        variants += [(kind, f"fwd G{g} {c}", current, (g, c))
+                     for g, c in parse_configs(args.history_configs, True) for kind in ("history_fwd", "block_history")]
         variants += [("history_fwd", f"fwd dot {c}", current, ("dot", c)) for c in parse_configs(args.history_dot, False)]
 
         def apply(setting):
@@ -471,6 +500,10 @@ def main() -> int:
                     history.ROW_BWD_CONFIG = {(step.d, args.heads): ((cfg[1], cfg[0]),) * 2}
             elif what == "dot":
                 history.HISTORY_DOT_CONFIG = cfg
+            elif what == "merge":
+                history.MERGE_CONFIG = {(step.d, args.heads): cfg}
+            elif what == "tiles":
+                history.HISTORY_TILES = cfg
             else:  # the reductions' form; the preset's head split decides which table is read
                 history.HISTORY_DOT_CONFIG = None
                 history.HISTORY_CONFIG["fwd"][what] = history.HISTORY_CONFIG["fwd_split"][what] = cfg
@@ -483,6 +516,7 @@ def main() -> int:
             history.ROW_BWD_CONFIG, history.HISTORY_DOT_CONFIG = dict(saved[10]), saved[11]
             (column.GROUP_SLOTS, column_group.GROUP_CONFIG, column.GROUP_PASS_WEIGHT,
              column.GRADS_IN_PLACE) = saved[12:16]
+            history.HISTORY_TILES, history.MERGE_CONFIG = saved[16], dict(saved[17])
 
         if args.profile:
             import torch.cuda.nvtx as nvtx

@@ -16,7 +16,8 @@
 # column passes one slot a pass too; GROUPSLOTS='K;...' plans the column passes with group passes of at most K
 # slots (0: none), GROUPWEIGHTS='W;...' with a group pass's bytes counted W times,
 # GROUP='TOKENS,WARPS,STAGES,MAX_S[,HOLD];...' sweeps the group pass; OTHER=1 times the output gradients kept
-# the other way (copied or in place, against the width's table); TESTS=0 skips the tests,
+# the other way (copied or in place, against the width's table); MERGE='WARPS,STAGES;...' sweeps the merges'
+# kernel, TILES='T;...' the token tiles a program of the head-tiled forward walks; TESTS=0 skips the tests,
 # KINDS='column,...' the kinds timed at their defaults (all when unset), BENCH=0 no timings.
 set -uo pipefail
 OUT=${OUT:-gpu-kernels}
@@ -44,6 +45,7 @@ fi
 [ "${BENCH:-1}" = 1 ] && python3 benchmarks/bench_kernels.py --presets "${PRESETS:-paper350m}" --out "$OUT" ${PREV:+--prev "$PREV"} \
   --column-configs "${COL:-}" --history-configs "${HIST:-}" --history-dot "${DOT:-}" --query-configs "${QUERY:-}" \
   --write-configs "${WRITE:-}" --row-warps "${ROWS:-}" --two-slot-configs "${TWO:-}" --row-stages "${ROWSTAGES:-}" \
-  --group-slots "${GROUPSLOTS:-}" --group-weights "${GROUPWEIGHTS:-}" --group-configs "${GROUP:-}" ${ONE:+--one-slot} ${OTHER:+--other-grads} \
+  --group-slots "${GROUPSLOTS:-}" --group-weights "${GROUPWEIGHTS:-}" --group-configs "${GROUP:-}" \
+  --merge-configs "${MERGE:-}" --history-tiles "${TILES:-}" ${ONE:+--one-slot} ${OTHER:+--other-grads} \
   ${KINDS:+--kinds "$KINDS"} 2>&1 \
   | tee "$OUT/bench_kernels.log"

@@ -43,7 +43,7 @@ POINTERS = {  # argument: element type; the rest of the arguments are i32 or con
     "dx_ptr": "bf16", "dzr_ptr": "fp32", "y_ptr": "bf16", "ry_ptr": "fp32", "dzr_low_ptr": "fp32",
     "carry_ptr": "fp32", "carry_dr_ptr": "fp32", "src_ptr": "bf16", "out0_ptr": "bf16", "rest_ptr": "bf16",
     "part_ptr": "fp32", "dsrc_ptr": "bf16", "base_ptr": "bf16", "out_ptr": "bf16", "gcopy_ptr": "bf16",
-    "gtab_ptr": "i64",
+    "gtab_ptr": "i64", "init_ptr": "bf16", "add_ptr": "bf16", "sum_ptr": "bf16",
     "dqg_part_ptr": "fp32", "acc_ptr": "fp32", "dr_ptr": "fp32",
 }
 FLOATS = {"eps"}
@@ -209,6 +209,24 @@ def row_bwd_rows(d: int, heads: int, stages: list[int]) -> list[dict]:
     return out
 
 
+def merge_rows(d: int, heads: int, stages: list[int]) -> list[dict]:
+    """A site's merge (``history._merge_fwd_kernel``) as training launches it: ``block:K``'s (one source, the
+    block's partial sum made in the pass) and ``full``'s (1 to 3 slots with their RMS), at the table's pipeline
+    depth (2 and the row kernels' warps at widths the table leaves to the row kernel) and at ``stages``."""
+    out = []
+    warps, table = history.MERGE_CONFIG.get((d, heads), (history._num_warps(d, heads, 1), 2))
+    for S, add in ((1, True), (1, False), (3, False)):
+        meta = {**head_meta(d, heads, has_b=True), "S": S, "USE_RMS": not add, "ADD": add}
+        for depth in [table] + [s for s in stages if s != table]:
+            fn = history._merge_fwd_kernel
+            # a token's rows: the partial state, the S sources, with ADD the block's last output
+            loop_bytes = (1 + S + add) * d * 2
+            compiled = compile_for_sm90(fn, {**meta, "STAGES": depth}, warps)
+            out.append(row(f"{fn.fn.__name__} (S = {S}{', sum made' if add else ''})", d, (warps, depth), warps,
+                           compiled, loop_bytes))
+    return out
+
+
 def query_rows(d: int, heads: int, configs: list[tuple]) -> list[dict]:
     """The query gradients' kernel at the table's configuration and ``configs`` (SITES, TOKENS, WARPS,
     STAGES, PROGRAMS A SM), for a block of SITES sites."""
@@ -236,10 +254,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="'TOKENS,WARPS,STAGES,MAX_S;...' for the head-tiled forward's matrix-product form")
     p.add_argument("--group-configs", default="",
                    help="'TOKENS,WARPS,STAGES,MAX_S[,HOLD];...' for the group pass of the backward by source")
-    p.add_argument("--only", default="", help="'column,history,dot,group,query,row': these kernels' rows only")
+    p.add_argument("--only", default="", help="'column,history,dot,group,query,row,merge': these kernels' rows only")
     p.add_argument("--query-configs", default="",
                    help="'SITES,TOKENS,WARPS,STAGES,PER_SM;...' for the query gradients, beside the table's")
     p.add_argument("--row-stages", default="1,3", help="'STAGES,...': the backward row kernel's pipeline depths")
+    p.add_argument("--merge-stages", default="2,4", help="'STAGES,...': the merges' kernel's pipeline depths")
     p.add_argument("--sites-per-pass", type=int, default=4)
     p.add_argument("--portable", action="store_true", help="the interpreter's forms instead of the inline PTX")
     args = p.parse_args(argv)
@@ -260,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         "group": lambda d: group_rows(d, args.heads, group_configs, ptx_forms),
         "query": lambda d: query_rows(d, args.heads, query_configs),
         "row": lambda d: row_bwd_rows(d, args.heads, [int(v) for v in args.row_stages.split(",") if v.strip()]),
+        "merge": lambda d: merge_rows(d, args.heads, [int(v) for v in args.merge_stages.split(",") if v.strip()]),
     }
     only = [k for k in args.only.split(",") if k.strip()] or list(kinds)
     unknown = sorted(set(only) - set(kinds))

@@ -298,6 +298,33 @@ def test_write_slot_stores_the_row_and_its_rms():
     torch.testing.assert_close(rms, _rms(x))
 
 
+def _merge_kernel_at(monkeypatch, d, H, on: bool):
+    """Merges at (d, H) in the merges' kernel (``on``, launched as at d = 1280) or in the row kernel."""
+    table = {k: v for k, v in history.MERGE_CONFIG.items() if k != (d, H)}
+    monkeypatch.setattr(history, "MERGE_CONFIG", {**table, (d, H): (4, 2)} if on else table)
+
+
+@pytest.mark.parametrize("E", [1, 2, 4, 5])  # the merges' kernel takes up to history.MERGE_MAX_S = 4 sources
+@pytest.mark.parametrize("with_rms", [True, False], ids=["rms", "rows"])
+@pytest.mark.parametrize("d,H", [(48, 4), (32, 2)])  # head width 12 = 8 + 4, and a power of two
+@pytest.mark.parametrize("merge_kernel", [True, False], ids=["merge-kernel", "row-kernel"])
+def test_a_sites_merge_with_its_extra_sources_matches_the_reference(monkeypatch, E, with_rms, d, H, merge_kernel):
+    """A site's partial state over a history, merged with the E sources it reads beyond it (their RMS
+    statistics given, or reduced from the rows), equals one pass over all of them; in the merges' kernel,
+    7 tokens on three persistent programs leave the last one a token past the end."""
+    _merge_kernel_at(monkeypatch, d, H, merge_kernel)
+    S, N = 3, 7
+    src, qg, _ = _inputs(S + E, N, d, 1, seed=E * 10 + d)
+    state, lse = torch.full((N, d), float("nan")), torch.full((1, N, H), float("nan"))
+    history.sites_forward(src[:S], qg, H, EPS, state, None, lse, rms=_rms(src[:S]))
+    merged = torch.full((N, d), float("nan"))
+    history.sites_forward(src[S:], qg, H, EPS, merged, None, lse, init=state.unsqueeze(0),
+                          rms=_rms(src[S:]) if with_rms else None)
+    out, ref_lse = _route(src.double(), qg[0].double(), H)
+    torch.testing.assert_close(merged, out.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse[0], ref_lse.t().float(), rtol=1e-5, atol=1e-5)
+
+
 def test_write_slot_adds_a_blocks_last_output():
     """A block's slot is its partial sum plus its last output, added in the pass that writes the slot."""
     gen = torch.Generator().manual_seed(4)
@@ -309,9 +336,11 @@ def test_write_slot_adds_a_blocks_last_output():
 
 
 @pytest.mark.parametrize("d,H", [(48, 4), (32, 2)])  # head width 12 = 8 + 4, and a power of two
-def test_a_site_routes_the_sum_it_makes_and_writes_it(d, H):
+@pytest.mark.parametrize("merge_kernel", [True, False], ids=["merge-kernel", "row-kernel"])
+def test_a_site_routes_the_sum_it_makes_and_writes_it(monkeypatch, d, H, merge_kernel):
     """A site reading a block's partial sum and the block's last output routes their sum (made in its own
     pass, written for the sites after it) exactly as if the sum had been made first."""
+    _merge_kernel_at(monkeypatch, d, H, merge_kernel)
     N = 5
     src, qg, _ = _inputs(3, N, d, 1, seed=d)
     state = torch.randn(1, N, d, generator=torch.Generator().manual_seed(1))

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from . import ptx
 from .grad_rows import ALIGN_C, GradRows, site_offsets
-from .launch import device_index, head_meta, launch, num_sms, products_fit
+from .launch import by_width, device_index, head_meta, launch, num_sms, products_fit
 
 __all__ = ["column_backward", "slot_grad", "slot_passes", "pairs_slots", "group_slots", "SlotPass", "run_pass",
            "Carry", "carry_rows", "Low", "query_grads", "dzr_rows", "dzr_block", "GradRows", "grads_in_place"]
@@ -411,10 +411,6 @@ TWO_SLOTS = True
 QUERY_GRAD_CONFIG = (64, 32, 4, 3, 8)
 
 
-def _nearest(table: dict, d: int):
-    return table[min(table, key=lambda w: (abs(w - d), w))]
-
-
 # Group passes (``column_group``) by model width: the most slots one takes (``slot_passes`` chooses the
 # runs), 0 for none. Measured on the H200 (benchmarks/bench_kernels.py, a step's column passes of ``full``,
 # call M1; docs/benchmarks.md "eleventh round"): d = 1024 5.04 ms against 5.96 for two slots a pass,
@@ -441,7 +437,7 @@ GRADS_IN_PLACE: bool | None = None
 
 def grads_in_place(d: int) -> bool:
     """Whether the backward reads the output gradients in place (a table) at width ``d``, or copies them."""
-    return GRADS_IN_PLACE if GRADS_IN_PLACE is not None else _nearest(GRADS_IN_PLACE_BY_WIDTH, d)
+    return GRADS_IN_PLACE if GRADS_IN_PLACE is not None else by_width(GRADS_IN_PLACE_BY_WIDTH, d)
 
 
 def group_slots(d: int, num_heads: int, block: int = 1) -> int:
@@ -452,19 +448,19 @@ def group_slots(d: int, num_heads: int, block: int = 1) -> int:
     if GROUP_SLOTS is not None:
         most = GROUP_SLOTS
     else:
-        most = _nearest(GROUP_SLOTS_BY_WIDTH, d) if block == 1 else 0
+        most = by_width(GROUP_SLOTS_BY_WIDTH, d) if block == 1 else 0
     return min(most, MAX_GROUP) if most >= 3 and group_fits(d, num_heads) else 0
 
 
 def pairs_slots(d: int) -> bool:
     """Whether the backward by source takes two slots a pass at width ``d`` (``slot_passes``)."""
-    return TWO_SLOTS and (TWO_SLOT_CONFIG is not None or _nearest(TWO_SLOT_CONFIGS, d) is not None)
+    return TWO_SLOTS and (TWO_SLOT_CONFIG is not None or by_width(TWO_SLOT_CONFIGS, d) is not None)
 
 
 def column_config(d: int, two_slots: bool = False) -> tuple[int, int, int]:
     """(tokens a program, warps, stages) of the column kernel at width ``d``, for one slot a pass or two."""
     override, table = (TWO_SLOT_CONFIG, TWO_SLOT_CONFIGS) if two_slots else (COLUMN_CONFIG, COLUMN_CONFIGS)
-    config = override if override is not None else _nearest(table, d)
+    config = override if override is not None else by_width(table, d)
     if config is None:
         raise ValueError(f"no two-slot column config at d = {d}: the table takes one slot a pass there")
     if two_slots and config[0] > 1 and config[2] == 0:

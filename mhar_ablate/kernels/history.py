@@ -11,9 +11,10 @@ a factor G.
 
 Two families of kernels:
 
-* one token per program, the whole row of d channels (``_sites_fwd_kernel``, ``_sites_bwd_kernel``): a
-  site (or a few) over its sources, the per-site mode, and the merge of a site with the sources it reads
-  beyond its group's history. The RMS of a source is computed from the row. The backward kernel also
+* one token at a time, the whole row of d channels (``_sites_fwd_kernel``, ``_merge_fwd_kernel``,
+  ``_sites_bwd_kernel``): a site (or a few) over its sources, the per-site mode, and the merge of a site with
+  the sources it reads beyond its group's history (where ``MERGE_CONFIG`` says, in a kernel whose programs
+  walk many tokens, pipelined). The RMS of a source is computed from the row. The backward kernel also
   writes a site's ``delta = <g, out>`` for the slots' backward, and where its output gradient lies (or a copy
   of it).
 * one routing head per program, the shared pass of G > 2 sites (``history_forward``). Holding G sites'
@@ -23,7 +24,7 @@ Two families of kernels:
   (written once per source by ``write_slot``). Two forms: for a token, G sites over S sources is a small
   attention whose two products run on tensor cores (``_history_fwd_dot_kernel``, from
   ``HISTORY_DOT_MIN_S`` sources on, heads wide enough for ``tl.dot``); fewer sources, or narrow heads,
-  take one token tile a program with every product a sum across lanes (``_history_fwd_kernel``).
+  take token tiles with every product a sum across lanes (``_history_fwd_kernel``).
 
 Math (per site k, r = rsqrt(mean_c s_c^2 + eps), u_k = <s_h, qg_k,h>, z = r u):
 
@@ -46,7 +47,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import ptx
-from .launch import head_meta, launch, persistent_programs, products_fit, tile_width
+from .launch import by_width, head_meta, launch, persistent_programs, products_fit, tile_width
 from .products import head_columns, split, stack_halves, sum_halves
 
 __all__ = ["write_slot", "sites_forward", "sites_backward", "history_forward", "add_row_sums"]
@@ -181,6 +182,82 @@ def _sites_fwd_kernel(
         tl.store(out0_ptr + row + col_b + k * 0, out_b, mask=first & b_ok)
         tl.store(rest_ptr + rest_row + col_b, out_b, mask=later & b_ok)
     tl.store(lse_ptr + kh, m + tl.log(l), mask=kh_ok)
+
+
+# A site's merge of its partial state with the few sources it reads beyond its group's history (a block's
+# partial sum, or the slots written inside its group): one site, S <= MERGE_MAX_S sources unrolled, so that
+# the loop runs over tokens only and is software-pipelined over STAGES of them (the next tokens' rows are
+# copied into shared memory while this one is reduced), the query row loaded once a program. Persistent:
+# program p walks tokens p, p + P, ...; the same arithmetic as ``_sites_fwd_kernel`` with HAS_INIT.
+@triton.jit(do_not_specialize=["N", "tokens_per_program"])
+def _merge_fwd_kernel(
+    src_ptr, rms_ptr, qg_ptr, init_ptr, out_ptr, lse_ptr, add_ptr, sum_ptr,
+    N, stride_s, eps, tokens_per_program,
+    S: tl.constexpr, D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
+    BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, USE_RMS: tl.constexpr, ADD: tl.constexpr, STAGES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    h = tl.arange(0, H)
+    ja = tl.arange(0, DA)[None, :]
+    jb = tl.arange(0, BLOCK_DB)[None, :]
+    col_a = h[:, None] * DH + ja  # [H, DA]
+    col_b = h[:, None] * DH + DA + jb  # [H, BLOCK_DB]
+    b_ok = jb < DB
+    qg_a = tl.load(qg_ptr + col_a)
+    qg_b = tl.zeros([H, BLOCK_DB], tl.float32)  # (a placeholder without HAS_B)
+    if HAS_B:
+        qg_b = tl.load(qg_ptr + col_b, mask=b_ok, other=0.0)
+    for i in tl.range(tokens_per_program, num_stages=STAGES):
+        tok = (pid + i * num_programs).to(tl.int64)
+        # Past the last token the program recomputes token N - 1 and stores nothing: no masks on loads.
+        # (``live`` has shape [1, 1], not a scalar: the interpreter takes no scalar in a combined mask.)
+        live = (tok + tl.zeros([1, 1], tl.int64)) < N
+        tok = tl.minimum(tok, N - 1)
+        row = tok * D
+        # the partial state: its normalised output, weight 1 at its log-sum-exp
+        m = tl.load(lse_ptr + tok * H + h)
+        l = tl.full([H], 1.0, tl.float32)
+        acc_a = tl.load(init_ptr + row + col_a).to(tl.float32)
+        acc_b = qg_b
+        if HAS_B:
+            acc_b = tl.load(init_ptr + row + col_b, mask=b_ok, other=0.0).to(tl.float32)
+        for s in tl.static_range(S):
+            at = s * stride_s + row
+            xa = tl.load(src_ptr + at + col_a)
+            xb = xa
+            if HAS_B:
+                xb = tl.load(src_ptr + at + col_b, mask=b_ok, other=0.0)
+            if ADD:  # (S = 1) the source is src + add, rounded to sum's dtype as torch adds, and written there
+                xa = (xa.to(tl.float32) + tl.load(add_ptr + row + col_a).to(tl.float32)).to(sum_ptr.dtype.element_ty)
+                tl.store(sum_ptr + row + col_a, xa, mask=live & (ja >= 0))
+                if HAS_B:
+                    xb = (xb.to(tl.float32) + tl.load(add_ptr + row + col_b, mask=b_ok, other=0.0).to(tl.float32)
+                          ).to(sum_ptr.dtype.element_ty)
+                    tl.store(sum_ptr + row + col_b, xb, mask=live & b_ok)
+            xa = xa.to(tl.float32)
+            z = tl.sum(xa * qg_a, axis=1)  # [H]
+            if not USE_RMS:
+                ss = tl.sum(tl.sum(xa * xa, axis=1), axis=0)
+            if HAS_B:
+                xb = xb.to(tl.float32)
+                if not USE_RMS:
+                    ss += tl.sum(tl.sum(xb * xb, axis=1), axis=0)
+                z += tl.sum(xb * qg_b, axis=1)
+            if USE_RMS:
+                r = tl.load(rms_ptr + s * N + tok)
+            else:
+                r = 1.0 / tl.sqrt(ss / D + eps)
+            z = z * r
+            m, l, alpha, p = _softmax_step(m, l, z)
+            acc_a = acc_a * alpha[:, None] + p[:, None] * xa
+            if HAS_B:
+                acc_b = acc_b * alpha[:, None] + p[:, None] * xb
+        inv_l = 1.0 / l[:, None]
+        tl.store(out_ptr + row + col_a, (acc_a * inv_l).to(out_ptr.dtype.element_ty), mask=live & (ja >= 0))
+        if HAS_B:
+            tl.store(out_ptr + row + col_b, (acc_b * inv_l).to(out_ptr.dtype.element_ty), mask=live & b_ok)
+        tl.store(lse_ptr + tok * H + h[None, :], (m + tl.log(l))[None, :], mask=live & (h[None, :] >= 0))
 
 
 @triton.jit(do_not_specialize=["N", "G", "tokens_per_program", "g_offset"])
@@ -320,27 +397,26 @@ def _scored_source(src, rms, ok, offs_a, offs_b, b_ok, qg_a, qg_b, HAS_B: tl.con
 
 
 # The head-tiled pass's reductions' form (passes over few sources, heads too narrow for ``tl.dot``; the
-# matrix products' form is ``_history_fwd_dot_kernel``). A program's tile is [BLOCK_N tokens, BLOCK_G sites,
-# channels of one head]; a source
-# is [BLOCK_N, 1, .] and broadcasts over the sites. One head's slice of a row is small (256 bytes at d =
-# 1024, H = 8), so the loop is software-pipelined (``tl.range``: the sources of iteration i + STAGES - 1 are
-# copied into shared memory while those of iteration i are reduced), which keeps bytes in flight without
-# registers. Its time follows the instructions it issues more than its bytes in flight (2 to 8 stages run
-# alike; Nsight: "not selected" the largest stall), so an iteration takes SOURCES sources (2 or 4): the
-# accumulators are rescaled once for all of them, and the loop's bookkeeping is shared.
-@triton.jit(do_not_specialize=["N", "S", "G"])
+# matrix products' form is ``_history_fwd_dot_kernel``). A tile is [BLOCK_N tokens, BLOCK_G sites, channels
+# of one head]; a source is [BLOCK_N, 1, .] and broadcasts over the sites. Programs are persistent, each
+# walking ``tiles_per_program`` consecutive token tiles of its head: the sites' query rows are loaded once a
+# program, not once a tile (at few sources they were as many bytes as the sources), and the loop runs over
+# (tile, SOURCES sources) pairs, so that the pipeline (``tl.range``: iteration i + STAGES - 1's sources are
+# copied into shared memory while iteration i's are reduced) carries on from one tile into the next; a
+# tile's first iteration starts the softmax afresh and its last stores the outputs. Its time follows the
+# instructions it issues more than its bytes in flight (Nsight: "not selected" the largest stall), so an
+# iteration takes SOURCES sources (2 or 4): the accumulators are rescaled once for all of them.
+@triton.jit(do_not_specialize=["N", "S", "G", "tiles_per_program"])
 def _history_fwd_kernel(
     src_ptr, rms_ptr, qg_ptr, out0_ptr, rest_ptr, lse_ptr,
-    N, S, G, stride_s,
+    N, S, G, stride_s, tiles_per_program,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr, SOURCES: tl.constexpr, PTX: tl.constexpr,
 ):
     head = tl.program_id(1)
-    n = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    n_ok = n < N
-    row_ok = n_ok[:, None, None]
-    nn = n[:, None, None]
+    first_tile = tl.program_id(0).to(tl.int64) * tiles_per_program
+    tn = tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_G)[None, :, None]
     ja = tl.arange(0, DA)[None, None, :]
     jb = tl.arange(0, BLOCK_DB)[None, None, :]
@@ -352,27 +428,38 @@ def _history_fwd_kernel(
     qg_b = qg_a
     if HAS_B:
         qg_b = tl.load(qg_ptr + k * D + col_b, mask=k_ok & b_ok, other=0.0)
-    offs_a = nn * D + col_a  # [BLOCK_N, 1, DA]
-    offs_b = nn * D + col_b
+    rest_offs = (k.to(tl.int64) - 1) * N * D
+    kg = tl.arange(0, BLOCK_G)[None, :]
 
     m = tl.full([BLOCK_N, BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_N, BLOCK_G], tl.float32)
     acc_a = tl.zeros([BLOCK_N, BLOCK_G, DA], tl.float32)
     acc_b = tl.zeros([BLOCK_N, BLOCK_G, BLOCK_DB], tl.float32)  # (a placeholder without HAS_B)
-    src = src_ptr
-    rms = rms_ptr + n
     stride = tl.cast(stride_s, tl.int64)  # SOURCES * stride_s may pass 2^31
-    for s in tl.range(0, S, SOURCES, num_stages=STAGES):
-        # Source s + j exists for the tile's tokens below a limit that is 0 when it does not (a tensor
+    chunks = tl.cdiv(S, SOURCES)
+    for it in tl.range(0, tiles_per_program * chunks, num_stages=STAGES):
+        t = it // chunks
+        j = it - t * chunks
+        s0 = j * SOURCES
+        n = (first_tile + t) * BLOCK_N + tn  # [BLOCK_N]; past the last token: loads masked, nothing stored
+        n_ok = n < N
+        nn = n[:, None, None]
+        offs_a = nn * D + col_a  # [BLOCK_N, 1, DA]
+        offs_b = nn * D + col_b
+        src = src_ptr + s0 * stride
+        rms = rms_ptr + s0.to(tl.int64) * N + n
+        # Source s0 + i exists for the tile's tokens below a limit that is 0 when it does not (a tensor
         # mask: it works the same in the compiler and the interpreter).
         x1a, x1b, z1 = _scored_source(src, rms, n_ok, offs_a, offs_b, b_ok, qg_a, qg_b, HAS_B)
-        x2a, x2b, z2 = _scored_source(src + stride, rms + N, n < tl.where(s + 1 < S, N, 0), offs_a, offs_b,
+        x2a, x2b, z2 = _scored_source(src + stride, rms + N, n < tl.where(s0 + 1 < S, N, 0), offs_a, offs_b,
                                       b_ok, qg_a, qg_b, HAS_B)
+        # A tile's first iteration starts afresh: exp(-inf) = 0 clears the sums carried from the tile before.
+        m = tl.where(j == 0, float("-inf"), m)
         m_new = tl.maximum(m, tl.maximum(z1, z2))
         if SOURCES == 4:
-            x3a, x3b, z3 = _scored_source(src + 2 * stride, rms + 2 * N, n < tl.where(s + 2 < S, N, 0), offs_a,
+            x3a, x3b, z3 = _scored_source(src + 2 * stride, rms + 2 * N, n < tl.where(s0 + 2 < S, N, 0), offs_a,
                                           offs_b, b_ok, qg_a, qg_b, HAS_B)
-            x4a, x4b, z4 = _scored_source(src + 3 * stride, rms + 3 * N, n < tl.where(s + 3 < S, N, 0), offs_a,
+            x4a, x4b, z4 = _scored_source(src + 3 * stride, rms + 3 * N, n < tl.where(s0 + 3 < S, N, 0), offs_a,
                                           offs_b, b_ok, qg_a, qg_b, HAS_B)
             m_new = tl.maximum(m_new, tl.maximum(z3, z4))
         # A padded token's scores are all -inf: its m stays -inf and exp(m - m_new) would be NaN.
@@ -395,22 +482,18 @@ def _history_fwd_kernel(
                 acc_b = acc_b + p3[:, :, None] * x3b
                 acc_b = acc_b + p4[:, :, None] * x4b
         m = m_new
-        src += SOURCES * stride
-        rms += SOURCES * N
-
-    inv_l = 1.0 / l[:, :, None]
-    first = row_ok & (k == 0)
-    later = row_ok & (k > 0) & k_ok
-    rest_offs = (k.to(tl.int64) - 1) * N * D
-    out_a = (acc_a * inv_l).to(out0_ptr.dtype.element_ty)
-    tl.store(out0_ptr + offs_a + k * 0, out_a, mask=first)
-    tl.store(rest_ptr + rest_offs + offs_a, out_a, mask=later)
-    if HAS_B:
-        out_b = (acc_b * inv_l).to(out0_ptr.dtype.element_ty)
-        tl.store(out0_ptr + offs_b + k * 0, out_b, mask=first & b_ok)
-        tl.store(rest_ptr + rest_offs + offs_b, out_b, mask=later & b_ok)
-    kn = tl.arange(0, BLOCK_G)[None, :] * N * H + n[:, None] * H + head  # [BLOCK_N, BLOCK_G]
-    tl.store(lse_ptr + kn, m + tl.log(l), mask=n_ok[:, None] & (tl.arange(0, BLOCK_G) < G)[None, :])
+        if j == chunks - 1:
+            inv_l = 1.0 / l[:, :, None]
+            row_ok = n_ok[:, None, None]
+            out_a = (acc_a * inv_l).to(out0_ptr.dtype.element_ty)
+            tl.store(out0_ptr + offs_a + k * 0, out_a, mask=row_ok & (k == 0))
+            tl.store(rest_ptr + rest_offs + offs_a, out_a, mask=row_ok & (k > 0) & k_ok)
+            if HAS_B:
+                out_b = (acc_b * inv_l).to(out0_ptr.dtype.element_ty)
+                tl.store(out0_ptr + offs_b + k * 0, out_b, mask=row_ok & (k == 0) & b_ok)
+                tl.store(rest_ptr + rest_offs + offs_b, out_b, mask=row_ok & (k > 0) & k_ok & b_ok)
+            kn = kg * N * H + n[:, None] * H + head  # [BLOCK_N, BLOCK_G]
+            tl.store(lse_ptr + kn, m + tl.log(l), mask=n_ok[:, None] & (kg < G))
 
 
 # The shared pass as matrix products. For one token and one head, G sites over S sources is a small
@@ -563,6 +646,15 @@ HISTORY_CONFIG: dict[str, dict[int, tuple[int, int, int, int]]] = {
     "fwd_split": {2: (2, 1, 3, 2), 4: (2, 1, 3, 2), 8: (2, 1, 3, 2), 16: (2, 2, 3, 2)},  # heads split in two
 }
 _INTERPRETER_CONFIG = (2, 1, 2, 2)
+# Token tiles a program of the reductions' form walks, by model width (0: as many programs as fit on the GPU at
+# once, the tiles shared among them); HISTORY_TILES, when set (benchmarks), overrides the table. Measured on the
+# H200 (benchmarks/bench_kernels.py, block:4's shared passes of a step, docs/benchmarks.md "fifteenth round"),
+# ms with 16 / 4 / 1 / 0 tiles, and for the earlier kernel (one tile a program, no loop over tiles): d = 512
+# 0.353 / 0.368 / 0.540 / 0.367 against 0.507; d = 1024 0.742 / 0.743 / 0.895 / 0.851 against 0.770; d = 1280
+# 1.685 / 1.796 / 2.187 / 1.658 against 1.609 (64 tiles: 2.44). full's passes (this form below 8 or 12 sources):
+# within 1 % of the earlier kernel's at d = 1024 and 1280, 4 % faster at 512.
+HISTORY_TILES_BY_WIDTH = {512: 16, 1024: 16, 1280: 0}
+HISTORY_TILES: int | None = None
 
 
 def _history_config(kind: str, block_g: int, device: torch.device) -> tuple[int, dict]:
@@ -599,7 +691,8 @@ def sites_forward(sources: Tensor, qg: Tensor, num_heads: int, eps: float, out: 
                   lse: Tensor, init: Tensor | None = None, rms: Tensor | None = None,
                   addend: Tensor | None = None, sum_out: Tensor | None = None) -> None:
     """Route ``sources`` (S, N, d), contiguous, for the G sites whose fused query·key-gain rows are ``qg``
-    (G, d) fp32, a whole row per program. Writes site 0's normalised output to ``out`` (N, d), site k's to
+    (G, d) fp32, a whole row at a time (a merge of one site with at most MERGE_MAX_S sources, at the shapes in
+    MERGE_CONFIG, in ``_merge_fwd_kernel``; else one token a program). Writes site 0's normalised output to ``out`` (N, d), site k's to
     ``rest[k - 1]`` and every site's log-sum-exp to ``lse`` (G, N, H) fp32. With ``init`` (G, N, d) the
     sites continue from that partial state, whose log-sum-exps are read from ``lse`` first (in place).
     ``rms`` (S, N): the sources' RMS statistics, if known (else reduced from the rows). With ``addend``
@@ -617,10 +710,40 @@ def sites_forward(sources: Tensor, qg: Tensor, num_heads: int, eps: float, out: 
         meta["num_warps"] = _num_warps(d, num_heads, meta["BLOCK_G"])
         if ROW_MAXNREG:
             meta["maxnreg"] = ROW_MAXNREG
+    if init is not None and G == 1 and 1 <= S <= MERGE_MAX_S and (d, num_heads) in MERGE_CONFIG:
+        _merge_forward(sources, qg, eps, out, lse, init, rms, addend, sum_out, meta)
+        return
     args = (sources, rms if rms is not None else qg, qg, init if init is not None else out, out,
             rest if rest is not None else out, lse, addend if addend is not None else out,
             sum_out if sum_out is not None else out, N, S, G, N * d, eps)
     launch(_sites_fwd_kernel, (N,), args, meta, sources.device)
+
+
+# The merges' kernel (``_merge_fwd_kernel``) takes up to MERGE_MAX_S sources (unrolled: each count is a kernel
+# of its own; training takes 1 to sites_per_pass - 1), at the (model width, heads) in MERGE_CONFIG, launched
+# with its (warps, pipeline stages); other shapes merge in ``_sites_fwd_kernel``, one token a program.
+# Measured on the H200 (benchmarks/bench_kernels.py, a step's calls, docs/benchmarks.md "fifteenth round"):
+# at d = 1280 (heads split 128 + 32) block:4's merges 1.86 ms with (4, 2) against 2.11 in the row kernel
+# (full's: 1.78 against 2.08; 3 stages 1.91 / 1.82, 4 stages 2.14 / 1.93, 2 or 8 warps slower); at d = 1024
+# and 512 the row kernel was as fast or faster (block:4's 0.92 against 0.97 ms at paper350m, 0.48 against
+# 0.51 at paper100m).
+MERGE_MAX_S = 4
+MERGE_CONFIG: dict[tuple[int, int], tuple[int, int]] = {(1280, 8): (4, 2)}
+
+
+def _merge_forward(sources: Tensor, qg: Tensor, eps: float, out: Tensor, lse: Tensor, init: Tensor,
+                   rms: Tensor | None, addend: Tensor | None, sum_out: Tensor | None, meta: dict) -> None:
+    S, N, d = sources.shape
+    meta = {k: meta[k] for k in ("D", "H", "DH", "DA", "DB", "BLOCK_DB", "HAS_B", "USE_RMS", "ADD")}
+    warps, meta["STAGES"] = MERGE_CONFIG[d, meta["H"]]
+    meta["S"] = S
+    if sources.device.type != "cpu":
+        meta["num_warps"] = warps
+    args = [sources, rms if rms is not None else qg, qg, init, out, lse, addend if addend is not None else out,
+            sum_out if sum_out is not None else out, N, N * d, eps, 1]
+    programs = persistent_programs(_merge_fwd_kernel, args, meta, sources.device, N)
+    args[-1] = triton.cdiv(N, programs)
+    launch(_merge_fwd_kernel, (programs,), tuple(args), meta, sources.device)
 
 
 # The matrix-product form of the shared pass (``_history_fwd_dot_kernel``), used where a head's blocks are
@@ -667,8 +790,17 @@ def history_forward(sources: Tensor, rms: Tensor, qg: Tensor, num_heads: int, ou
         return
     block_n, options = _history_config("fwd_split" if meta["HAS_B"] else "fwd", block_g, sources.device)
     meta.update(BLOCK_G=block_g, BLOCK_N=block_n, PTX=ptx.use_ptx(sources.device), **options)
-    launch(_history_fwd_kernel, (triton.cdiv(N, block_n), num_heads),
-           (sources, rms, qg, out, rest, lse, N, S, G, N * d), meta, sources.device)
+    tiles = triton.cdiv(N, block_n)
+    args = [sources, rms, qg, out, rest, lse, N, S, G, N * d, 1]
+    if sources.device.type == "cpu":  # a few programs, so that tests walk a program's tiles and an idle tail
+        programs = min(tiles, 3)
+    elif (per_program := HISTORY_TILES if HISTORY_TILES is not None else by_width(HISTORY_TILES_BY_WIDTH, d)):
+        programs = triton.cdiv(tiles, per_program)
+    else:  # as many as fit on the GPU at once, shared among the heads
+        programs = max(1, persistent_programs(_history_fwd_kernel, args, meta, sources.device, tiles * num_heads)
+                       // num_heads)
+    args[-1] = triton.cdiv(tiles, programs)
+    launch(_history_fwd_kernel, (programs, num_heads), tuple(args), meta, sources.device)
 
 
 def sites_backward(sources: Tensor, grad_sources: Tensor, base: Tensor | None, qg: Tensor, num_heads: int,

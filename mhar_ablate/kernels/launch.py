@@ -4,7 +4,7 @@
   tensors whether or not ``TRITON_INTERPRET=1`` was set before triton was imported (use fp32 there: the
   interpreter's bf16 arithmetic is not faithful).
 * ``head_meta`` / ``tile_width``: the head split every kernel uses (``products_fit``: whether its blocks
-  are wide enough for ``tl.dot``). Block shapes must be powers of two,
+  are wide enough for ``tl.dot``); ``by_width``: a launch table's entry for a model width. Block shapes must be powers of two,
   and padding a head width such as 160 (d = 1280, H = 8) up to 256 wastes 37.5 % of the registers and
   lanes, so each head of width DH is split into a part of DA channels (the largest power of two <= DH)
   and a rest of DB = DH - DA channels, each its own block (160 = 128 + 32). When DH is a power of two the
@@ -22,8 +22,8 @@ import functools
 import torch
 import triton
 
-__all__ = ["launch", "head_meta", "products_fit", "tile_width", "num_sms", "resident_programs", "persistent_programs",
-           "RESIDENT"]
+__all__ = ["launch", "head_meta", "products_fit", "tile_width", "by_width", "num_sms", "resident_programs",
+           "persistent_programs", "RESIDENT"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -108,6 +108,11 @@ def tile_width(d: int, num_heads: int) -> int:
     """Channels a token occupies in the kernels' blocks (d plus the rest blocks' padding)."""
     meta = head_meta(d, num_heads)
     return num_heads * (meta["DA"] + (meta["BLOCK_DB"] if meta["DB"] else 0))
+
+
+def by_width(table: dict, d: int):
+    """A launch table's entry for model width ``d``: that of the nearest width it lists (the narrower on a tie)."""
+    return table[min(table, key=lambda w: (abs(w - d), w))]
 
 
 # ----------------------------------------------------------------------------------------------------------
