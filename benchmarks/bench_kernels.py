@@ -360,9 +360,10 @@ def main() -> int:
                    help="'TOKENS,WARPS,STAGES,MAX_S;...' for the head-tiled forward's matrix-product form "
                    "(--history-configs entries time its reductions' form)")
     p.add_argument("--history-tiles", default="",
-                   help="'T;...': token tiles a program of the head-tiled forward's reductions' form walks (0: as many as "
-                        "make its programs fit on the GPU at once)")
-    p.add_argument("--merge-configs", default="", help="'WARPS,STAGES;...' for the merges' kernel (sites_fwd, block_fwd)")
+                   help="'T;...': token tiles a program of the head-tiled forward's reductions' form walks "
+                        "(0: as many as make its programs fit on the GPU at once)")
+    p.add_argument("--merge-configs", default="",
+                   help="'WARPS,STAGES;...' for the merges' kernel (sites_fwd, block_fwd)")
     p.add_argument("--query-configs", default="",
                    help="'SITES,TOKENS,WARPS,STAGES,PER_SM;...' for query_grad")
     p.add_argument("--write-configs", default="", help="'TOKENS,WARPS;...' for write_slot")
@@ -430,7 +431,7 @@ def main() -> int:
                  history.ROW_WARPS, column.TWO_SLOT_CONFIG, column.TWO_SLOTS, history.ROW_MAXNREG,
                  history.ROW_BWD_STAGES, dict(history.ROW_BWD_CONFIG), history.HISTORY_DOT_CONFIG,
                  column.GROUP_SLOTS, column_group.GROUP_CONFIG, column.GROUP_PASS_WEIGHT, column.GRADS_IN_PLACE,
-                 getattr(history, "HISTORY_TILES", None), dict(getattr(history, "MERGE_CONFIG", {})))
+                 history.HISTORY_TILES, dict(history.MERGE_CONFIG))
         variants = [("column", "prev", prev, None)] if prev is not None else []
         variants += [("column", f"col {c}", current, ("col", c)) for c in parse_configs(args.column_configs, False)]
         variants += [("column", f"two-slot {c}", current, ("two", c))
@@ -462,8 +463,8 @@ def main() -> int:
                          for kind in ("sites_bwd", "block_bwd", "history_fwd", "block_history", "sites_fwd", "block_fwd")]
         variants += [(kind, f"merge {c}", current, ("merge", c)) for c in parse_configs(args.merge_configs, False)
                      for kind in ("sites_fwd", "block_fwd")]
-        variants += [(kind, f"tiles {t[0]}", current, ("tiles", t[0])) for t in parse_configs(args.history_tiles, False)
-                     for kind in ("history_fwd", "block_history")]
+        variants += [(kind, f"tiles {t[0]}", current, ("tiles", t[0]))
+                     for t in parse_configs(args.history_tiles, False) for kind in ("history_fwd", "block_history")]
         variants += [(kind, f"fwd G{g} {c}", current, (g, c))
                      for g, c in parse_configs(args.history_configs, True) for kind in ("history_fwd", "block_history")]
         variants += [("history_fwd", f"fwd dot {c}", current, ("dot", c)) for c in parse_configs(args.history_dot, False)]

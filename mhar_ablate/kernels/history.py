@@ -692,9 +692,10 @@ def sites_forward(sources: Tensor, qg: Tensor, num_heads: int, eps: float, out: 
                   addend: Tensor | None = None, sum_out: Tensor | None = None) -> None:
     """Route ``sources`` (S, N, d), contiguous, for the G sites whose fused query·key-gain rows are ``qg``
     (G, d) fp32, a whole row at a time (a merge of one site with at most MERGE_MAX_S sources, at the shapes in
-    MERGE_CONFIG, in ``_merge_fwd_kernel``; else one token a program). Writes site 0's normalised output to ``out`` (N, d), site k's to
-    ``rest[k - 1]`` and every site's log-sum-exp to ``lse`` (G, N, H) fp32. With ``init`` (G, N, d) the
-    sites continue from that partial state, whose log-sum-exps are read from ``lse`` first (in place).
+    MERGE_CONFIG, in ``_merge_fwd_kernel``; else one token a program). Writes site 0's normalised output to
+    ``out`` (N, d), site k's to ``rest[k - 1]`` and every site's log-sum-exp to ``lse`` (G, N, H) fp32. With
+    ``init`` (G, N, d) the sites continue from that partial state, whose log-sum-exps are read from ``lse``
+    first (in place).
     ``rms`` (S, N): the sources' RMS statistics, if known (else reduced from the rows). With ``addend``
     (N, d) and ``sum_out`` (N, d), both contiguous, and one source: the source routed is ``sources[0] +
     addend``, rounded to ``sum_out``'s dtype and written there."""
@@ -704,15 +705,15 @@ def sites_forward(sources: Tensor, qg: Tensor, num_heads: int, eps: float, out: 
         raise ValueError("sites_forward: addend and sum_out go together, with one source and no rms")
     if N == 0:
         return
+    if init is not None and G == 1 and 1 <= S <= MERGE_MAX_S and (d, num_heads) in MERGE_CONFIG:
+        _merge_forward(sources, qg, num_heads, eps, out, lse, init, rms, addend, sum_out)
+        return
     meta = {**head_meta(d, num_heads, has_b=True), "BLOCK_G": _block_g(G), "HAS_INIT": init is not None,
             "USE_RMS": rms is not None, "ADD": addend is not None}
     if sources.device.type != "cpu":
         meta["num_warps"] = _num_warps(d, num_heads, meta["BLOCK_G"])
         if ROW_MAXNREG:
             meta["maxnreg"] = ROW_MAXNREG
-    if init is not None and G == 1 and 1 <= S <= MERGE_MAX_S and (d, num_heads) in MERGE_CONFIG:
-        _merge_forward(sources, qg, eps, out, lse, init, rms, addend, sum_out, meta)
-        return
     args = (sources, rms if rms is not None else qg, qg, init if init is not None else out, out,
             rest if rest is not None else out, lse, addend if addend is not None else out,
             sum_out if sum_out is not None else out, N, S, G, N * d, eps)
@@ -731,12 +732,11 @@ MERGE_MAX_S = 4
 MERGE_CONFIG: dict[tuple[int, int], tuple[int, int]] = {(1280, 8): (4, 2)}
 
 
-def _merge_forward(sources: Tensor, qg: Tensor, eps: float, out: Tensor, lse: Tensor, init: Tensor,
-                   rms: Tensor | None, addend: Tensor | None, sum_out: Tensor | None, meta: dict) -> None:
+def _merge_forward(sources: Tensor, qg: Tensor, num_heads: int, eps: float, out: Tensor, lse: Tensor, init: Tensor,
+                   rms: Tensor | None, addend: Tensor | None, sum_out: Tensor | None) -> None:
     S, N, d = sources.shape
-    meta = {k: meta[k] for k in ("D", "H", "DH", "DA", "DB", "BLOCK_DB", "HAS_B", "USE_RMS", "ADD")}
-    warps, meta["STAGES"] = MERGE_CONFIG[d, meta["H"]]
-    meta["S"] = S
+    meta = {**head_meta(d, num_heads, has_b=True), "S": S, "USE_RMS": rms is not None, "ADD": addend is not None}
+    warps, meta["STAGES"] = MERGE_CONFIG[d, num_heads]
     if sources.device.type != "cpu":
         meta["num_warps"] = warps
     args = [sources, rms if rms is not None else qg, qg, init, out, lse, addend if addend is not None else out,

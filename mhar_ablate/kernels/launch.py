@@ -4,8 +4,8 @@
   tensors whether or not ``TRITON_INTERPRET=1`` was set before triton was imported (use fp32 there: the
   interpreter's bf16 arithmetic is not faithful).
 * ``head_meta`` / ``tile_width``: the head split every kernel uses (``products_fit``: whether its blocks
-  are wide enough for ``tl.dot``); ``by_width``: a launch table's entry for a model width. Block shapes must be powers of two,
-  and padding a head width such as 160 (d = 1280, H = 8) up to 256 wastes 37.5 % of the registers and
+  are wide enough for ``tl.dot``); ``by_width``: a launch table's entry for a model width. Block shapes must
+  be powers of two, and padding a head width such as 160 (d = 1280, H = 8) up to 256 wastes 37.5 % of the registers and
   lanes, so each head of width DH is split into a part of DA channels (the largest power of two <= DH)
   and a rest of DB = DH - DA channels, each its own block (160 = 128 + 32). When DH is a power of two the
   rest is an empty block of width 1, masked off, or compiled out where a kernel takes ``HAS_B``.
