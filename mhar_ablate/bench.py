@@ -23,6 +23,11 @@ step (forward, backward, optimiser step) captured once in a CUDA graph and repla
 Python, so the host cost per routing site is gone and the row measures the GPU work; the baseline is
 captured too, and ``ratio_to_fastest_baseline`` compares every row with the baseline at its best.
 
+``--rounds R`` makes a ratio that one call can trust to a fraction of a percent: a card's steps drift by a
+few percent from minute to minute, more than a routing change gains. The baseline stays on the GPU, and
+after each variant's rows its last step (the replayed one with ``--cuda-graph``) and the baseline's are
+timed in turn R times; the ratio is the median of the rounds' ratios (``round_ratios`` in the JSON).
+
 Without a GPU the command refuses, unless ``--device cpu`` asks for a small smoke run (tiny shapes, fp32,
 eager variants only).
 """
@@ -169,6 +174,11 @@ def add_bench_parser(subparsers: Any) -> None:
     m.add_argument("--seq", type=int, help="tokens per sequence (default: the preset's seq_len; 16 with --device cpu)")
     m.add_argument("--steps", type=int, default=10, help="timed steps, after warm-up (default 10)")
     m.add_argument("--warmup", type=int, default=3, help="untimed steps first, compilation included (default 3)")
+    m.add_argument("--rounds", type=int, default=1, metavar="R",
+                   help="after a variant's own rows, time its last step (the replayed one with --cuda-graph) and "
+                        "its baseline's in turn R times, each round's ratio from steps timed side by side: the "
+                        "ratio is their median, with their range (default 1: the rows alone, one after another). "
+                        "Holds the baselines on the GPU beside each variant")
     m.add_argument("--no-split", action="store_true", help="skip the profiled step that splits routing time off")
     m.add_argument("--cuda-graph", action="store_true",
                    help="also replay each variant's whole step from a CUDA graph (a NAME-graph row after each): "
@@ -224,8 +234,8 @@ def bench_model(args: argparse.Namespace) -> int:
     from .config import build_config
 
     device = bench_device(args, "bench model")
-    if args.steps < 1 or args.warmup < 1:
-        raise UsageError("--steps and --warmup must be at least 1")
+    if args.steps < 1 or args.warmup < 1 or args.rounds < 1:
+        raise UsageError("--steps, --warmup and --rounds must be at least 1")
     if args.heads < 1:
         raise UsageError(f"--heads must be positive, got {args.heads}")
     variants = select_variants(args.variants, all_variants(_sites_per_pass(args.sites_per_pass)))
@@ -257,19 +267,88 @@ def bench_model(args: argparse.Namespace) -> int:
         return 1
 
     rows = []
-    for v in variants:
-        print(f"-- {v.name}" + (f" (sites per pass {v.sites_per_pass})" if v.sites_per_pass else ""), flush=True)
-        for row in run_variant(v, args, batch, seq, vocab, device):
-            row.update(preset=args.preset, batch=batch, seq=seq, vocab=vocab, **env)
-            rows.append(row)
-            print(("   graph: " if row["cuda_graph"] else "   ") + _row_summary(row), flush=True)
-            _ratios(rows)
-            if args.json:  # after every row: a run cut short still leaves what it measured
-                Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+
+    def publish() -> None:
+        _ratios(rows)
+        if args.json:  # after every row: a run cut short still leaves what it measured
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+
+    baselines: dict[bool, tuple[Training, dict]] = {}  # --rounds: each compile mode's baseline, kept
+    try:
+        for v in variants:
+            print(f"-- {v.name}" + (f" (sites per pass {v.sites_per_pass})" if v.sites_per_pass else ""), flush=True)
+            held: list[Training] = []
+            for row in run_variant(v, args, batch, seq, vocab, device, held):
+                row.update(preset=args.preset, batch=batch, seq=seq, vocab=vocab, **env)
+                rows.append(row)
+                print(("   graph: " if row["cuda_graph"] else "   ") + _row_summary(row), flush=True)
+                publish()
+            last = rows[-1]
+            if args.rounds > 1 and held and last["status"] == "ok":
+                if v.routing == "baseline":
+                    baselines[v.compiled] = (held.pop(), last)
+                elif v.compiled in baselines:
+                    base, base_row = baselines[v.compiled]
+                    # A failure here leaves the row's own measurement standing, with the reason beside it.
+                    attempt(last, interleave, base, base_row, held[0], last, args, batch * seq, device,
+                            status="rounds_status")
+                    publish()
+                    print(f"   {args.rounds} rounds: " + _rounds_summary(last), flush=True)
+                else:
+                    print(f"   {args.rounds} rounds: not timed, the baseline's step failed", flush=True)
+            release(held, device)
+    finally:
+        release([t for t, _ in baselines.values()], device)
     print()
     print(render_table(rows))
     return 0
+
+
+def release(trainings: list[Training], device: torch.device) -> None:
+    """Free the models, optimisers and gradients (in a graph's pool after a capture) of ``trainings``
+    before the next variant is built."""
+    import torch
+
+    trainings.clear()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def interleave(base: Training, base_row: dict, t: Training, row: dict, args: argparse.Namespace, tokens: int,
+               device: torch.device) -> None:
+    """``--rounds``: the variant's step and its baseline's, after ``--warmup`` untimed steps each, timed in
+    turn (the first of each pair alternating, so that a drift of the clocks weighs on both alike). A round's
+    ratio is the baseline's median step time over the variant's in that round; the row's ratio, step time
+    and tokens/s become the rounds' medians."""
+    # Untimed first, so that no timed replay is a step's first after its capture or a pause. A first round
+    # can still stand out (docs/benchmarks.md, sixteenth round): the median of the rounds is the figure.
+    for training in (base, t):
+        _timed_steps(training.step, 0, args.warmup, device)
+    ours, theirs, ratios = [], [], []
+    loss = None
+    for r in range(args.rounds):
+        pair = [(t, ours), (base, theirs)]
+        for training, into in pair if r % 2 == 0 else pair[::-1]:
+            times, loss_r = _timed_steps(training.step, args.warmup + args.steps * (r + 1), args.steps, device)
+            into.append(statistics.median(times))
+            if training is t:
+                loss = loss_r
+        ratios.append(theirs[-1] / ours[-1])
+    _record_times(row, ours, loss, tokens)  # the median of the rounds' medians
+    if row["routing_ms"] is not None:
+        row["rest_ms"] = round(row["step_ms"] - row["routing_ms"], 2)
+    row.update(rounds=args.rounds, round_ratios=[round(x, 4) for x in ratios],
+               baseline_step_ms=round(statistics.median(theirs), 2), baseline_variant=base_row["variant"])
+
+
+def _rounds_summary(row: dict) -> str:
+    if "rounds_status" in row:
+        return row["rounds_status"]
+    r = row["round_ratios"]
+    return (f"{row['step_ms']:.1f} ms/step against the baseline's {row['baseline_step_ms']:.1f}, "
+            f"x baseline {row['ratio_to_baseline']:.3f} (rounds {min(r):.3f}-{max(r):.3f})")
 
 
 def _ratios(rows: list[dict]) -> None:
@@ -283,6 +362,8 @@ def _ratios(rows: list[dict]) -> None:
                      and r["cuda_graph"] == row["cuda_graph"]), None)
         ok = base is not None and base["tokens_per_s"] and row["tokens_per_s"]
         row["ratio_to_baseline"] = round(row["tokens_per_s"] / base["tokens_per_s"], 4) if ok else None
+        if row.get("round_ratios") and row["status"] == "ok":  # --rounds: steps timed side by side
+            row["ratio_to_baseline"] = round(statistics.median(row["round_ratios"]), 4)
         row["peak_ratio_to_baseline"] = (round(row["peak_gb"] / base["peak_gb"], 4)
                                          if ok and row["peak_gb"] and base["peak_gb"] else None)
         row["ratio_to_fastest_baseline"] = (round(row["tokens_per_s"] / fastest, 4)
@@ -320,10 +401,18 @@ def render_table(rows: list[dict]) -> str:
     return markdown_table(
         ["variant", "sites/pass", "tokens/s", "× baseline", "× fastest baseline", "peak GB", "× baseline peak",
          "step ms", "routing ms", "rest ms", "kernel ms", "status"],
-        [[r["variant"], cell(r["sites_per_pass"], "d"), cell(r["tokens_per_s"], ",.0f"), cell(r["ratio_to_baseline"], ".3f"),
+        [[r["variant"], cell(r["sites_per_pass"], "d"), cell(r["tokens_per_s"], ",.0f"), _ratio_cell(r),
           cell(r["ratio_to_fastest_baseline"], ".3f"), cell(r["peak_gb"], ".1f"), cell(r.get("peak_ratio_to_baseline"), ".3f"),
           cell(r["step_ms"], ".1f"), cell(r["routing_ms"], ".1f"), cell(r["rest_ms"], ".1f"), cell(r["kernel_ms"], ".1f"),
           r["status"]] for r in rows])
+
+
+def _ratio_cell(row: dict) -> str:
+    """× baseline, and with --rounds the range of the rounds' ratios."""
+    r = row.get("round_ratios")
+    if not r or row["ratio_to_baseline"] is None:
+        return cell(row["ratio_to_baseline"], ".3f")
+    return f"{row['ratio_to_baseline']:.3f} ({min(r):.3f}–{max(r):.3f}, {len(r)} rounds)"
 
 
 # ------------------------------------------------------------------------------------------------ one variant
@@ -345,28 +434,23 @@ def build_model(v: Variant, preset: str, heads: int, vocab: int, device: torch.d
 
 
 def run_variant(v: Variant, args: argparse.Namespace, batch: int, seq: int, vocab: int,
-                device: torch.device) -> Iterator[dict]:
+                device: torch.device, held: list[Training]) -> Iterator[dict]:
     """The variant's rows, each as soon as it is measured: the ordinary step, then (``--cuda-graph``) the
     same model's step replayed from a CUDA graph. A measurement that fails is a row that says why (out of
-    memory, an error), and the next one still runs."""
-    import torch
-
+    memory, an error), and the next one still runs. The training, where it was built, is left in ``held``
+    (running its last step: the replayed one after a capture) for the caller to release."""
     row = _new_row(v, args, cuda_graph=False)
     training = attempt(row, _measure, v, args, batch, seq, vocab, device, row)
+    if training is not None:
+        held.append(training)
     yield row
     if args.cuda_graph:
         graph_row = _new_row(v, args, cuda_graph=True)
         if training is None:
             graph_row["status"] = "not measured: the ordinary step failed"
-        else:
-            attempt(graph_row, _measure_graph, training, args, batch * seq, row, graph_row)
+        elif attempt(graph_row, _measure_graph, training, args, batch * seq, row, graph_row) is None:
+            held.clear()  # a failed capture's step is not the one to time again
         yield graph_row
-    # The model, its optimiser and its gradients (in the graph's pool after a capture) go before the next
-    # variant; a failed measurement's graph died with its frame and the exception.
-    del training
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def routing_heads(v: Variant, heads: int) -> int | None:
@@ -415,6 +499,8 @@ class Training:
         from .training.step import make_loss, make_optimizer
 
         self.device, self.cuda = device, device.type == "cuda"
+        # What was on the GPU before this variant (--rounds keeps the baselines there): not its memory.
+        self.resident = torch.cuda.memory_allocated(device) if self.cuda else 0
         if v.compiled:
             torch._dynamo.reset()  # each model compiles afresh: no stale guards, no cache-size fallback to eager
         self.model = model = build_model(v, args.preset, args.heads, vocab, device)
@@ -437,6 +523,12 @@ class Training:
     def step(self, i: int) -> torch.Tensor:
         return self.train_step(*self.data[i % len(self.data)])
 
+    def peak_gb(self) -> float:
+        """The GPU memory this variant's step peaked at since the last reset, in GB."""
+        import torch
+
+        return round((torch.cuda.max_memory_allocated(self.device) - self.resident) / 1e9, 2)
+
 
 def _measure(v: Variant, args: argparse.Namespace, batch: int, seq: int, vocab: int, device: torch.device,
              row: dict) -> Training:
@@ -456,7 +548,7 @@ def _measure(v: Variant, args: argparse.Namespace, batch: int, seq: int, vocab: 
         torch.cuda.reset_peak_memory_stats(device)
     _record_times(row, *_timed_steps(t.step, args.warmup, args.steps, device), batch * seq)
     if t.cuda:
-        row["peak_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
+        row["peak_gb"] = t.peak_gb()
     if not args.no_split:
         split = _split(t.model, t.step, device, v.compiled)
         # Compiled reference-path routing is fused with its neighbours: no routing time of its own, but
@@ -471,7 +563,7 @@ def _measure(v: Variant, args: argparse.Namespace, batch: int, seq: int, vocab: 
     return t
 
 
-def _measure_graph(t: Training, args: argparse.Namespace, tokens: int, ordinary: dict, row: dict) -> None:
+def _measure_graph(t: Training, args: argparse.Namespace, tokens: int, ordinary: dict, row: dict) -> Training:
     """The graph row: the same step captured once (``TrainStep.prepare``), then replayed (untimed, then
     timed) after copying each batch into the captured inputs."""
     import torch
@@ -487,8 +579,9 @@ def _measure_graph(t: Training, args: argparse.Namespace, tokens: int, ordinary:
     _sync(t.device)
     row["warmup_s"] = round(time.perf_counter() - t0, 1)
     _record_times(row, *_timed_steps(t.step, args.warmup, args.steps, t.device), tokens)
-    row["peak_gb"] = round(torch.cuda.max_memory_allocated(t.device) / 1e9, 2)
+    row["peak_gb"] = t.peak_gb()
     _copy_split(ordinary, row)
+    return t
 
 
 def _copy_split(ordinary: dict, row: dict) -> None:

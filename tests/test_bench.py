@@ -148,3 +148,69 @@ def test_profiled_step_names_its_costliest_kernels():
     assert got["routing_ms"] == 0.5 and got["kernel_ms"] == 6.0
     assert got["routing_top"] == [["route_fwd", 0.5]]
     assert got["top_kernels"] == [["gemm", 4.0], ["reduce", 1.5], ["route_fwd", 0.5]]
+
+
+def test_rounds_time_variant_and_baseline_in_turn(monkeypatch):
+    """--rounds: the pair's order alternates each round, a round's ratio is the baseline's median step over
+    the variant's of that round, and the row reports the rounds' medians."""
+    import mhar_ablate.bench as bench
+
+    order = []
+    clock = {"base": iter([10.0, 10.0, 12.0, 12.0, 11.0, 11.0]), "ours": iter([12.5, 12.5, 15.0, 15.0, 11.0, 11.0])}
+
+    class Fake:
+        def __init__(self, name):
+            self.name = name
+
+        def step(self, i):
+            return torch.tensor([2.0, 1.0])
+
+    def timed(step, first, n, device):
+        name = step.__self__.name
+        if first == 0:  # the untimed warm-up of each
+            order.append(f"warm {name}")
+            return [0.0] * n, step(first)
+        order.append(name)
+        return [next(clock[name]) for _ in range(n)], step(first)
+
+    monkeypatch.setattr(bench, "_timed_steps", timed)
+    row = _row("mhar-full-fused-compiled-graph", "mhar", True, True, None)
+    row["routing_ms"] = 2.0
+    args = argparse.Namespace(rounds=3, steps=2, warmup=1)
+    bench.interleave(Fake("base"), {"variant": "baseline-compiled-graph"}, Fake("ours"), row, args, 1000,
+                     torch.device("cpu"))
+    assert order == ["warm base", "warm ours", "ours", "base", "base", "ours", "ours", "base"]
+    assert row["round_ratios"] == [0.8, 0.8, 1.0] and row["rounds"] == 3
+    assert row["step_ms"] == 12.5 and row["baseline_step_ms"] == 11.0 and row["rest_ms"] == 10.5
+    base = _row("baseline-compiled-graph", "baseline", True, True, 80_000.0)
+    rows = [base, row]
+    _ratios(rows)
+    assert row["ratio_to_baseline"] == 0.8  # the rounds' median, not the rows' tokens/s
+    assert "0.800 (0.800–1.000, 3 rounds)" in render_table(rows)
+
+
+def test_cpu_smoke_run_with_rounds(tmp_path):
+    out = tmp_path / "rows.json"
+    assert cmd_bench(_args("--device", "cpu", "--preset", "tiny", "--steps", "1", "--warmup", "1", "--rounds", "2",
+                           "--no-split", "--variants", "mhar-full-ref-eager", "--json", str(out))) == 0
+    base, routed = json.loads(out.read_text())
+    assert "rounds" not in base and routed["rounds"] == 2 and len(routed["round_ratios"]) == 2
+    assert routed["baseline_variant"] == "baseline-eager" and routed["status"] == "ok"
+    with pytest.raises(UsageError, match="--rounds"):
+        cmd_bench(_args("--device", "cpu", "--preset", "tiny", "--rounds", "0"))
+
+
+def test_failed_rounds_keep_the_row(tmp_path, monkeypatch):
+    """Rounds that fail leave the variant's own measurement in place, the reason beside it."""
+    import mhar_ablate.bench as bench
+
+    def broken(*a):
+        raise RuntimeError("the card went away")
+
+    monkeypatch.setattr(bench, "interleave", broken)
+    out = tmp_path / "rows.json"
+    assert cmd_bench(_args("--device", "cpu", "--preset", "tiny", "--steps", "1", "--warmup", "1", "--rounds", "2",
+                           "--no-split", "--variants", "mhar-full-ref-eager", "--json", str(out))) == 0
+    routed = json.loads(out.read_text())[1]
+    assert routed["status"] == "ok" and routed["tokens_per_s"] > 0
+    assert routed["rounds_status"] == "error: RuntimeError: the card went away" and "round_ratios" not in routed

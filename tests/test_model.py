@@ -66,7 +66,7 @@ def test_route_rejects_bad_arguments(bad):
         mhar_route(args.pop("sources"), args.pop("query"), args.pop("key_weight"), args.pop("num_heads"), **args)
 
 
-def _model(kind="mhar", grouping="full", heads=None, query_init="normal:0.5", **model):
+def _model(kind="mhar", grouping="full", heads=None, query_init="normal:0.5", vocab=64, **model):
     over = {"residual.kind": kind, "residual.grouping": grouping, "residual.query_init": query_init,
             "residual.backend": "reference"}
     if heads is not None:
@@ -74,7 +74,7 @@ def _model(kind="mhar", grouping="full", heads=None, query_init="normal:0.5", **
     over.update({f"model.{k}": v for k, v in model.items()})
     cfg = build_config(overrides=over)
     torch.manual_seed(1)
-    return Decoder(cfg.model, cfg.residual, 64).double()
+    return Decoder(cfg.model, cfg.residual, vocab).double()
 
 
 def _site_inputs(model, idx, perturb_site=None):
@@ -229,3 +229,86 @@ def test_presets_fit_every_study_arm():
     assert cfg.model.d_model % 16 == 0 and cfg.model.n_layers % 4 == 0 and cfg.model.n_layers >= 4
     for h in (1, 2, 4, 8, 16):
         build_config(overrides={"residual.heads": str(h)})
+
+
+def _plain_tied_loss(model, idx, targets):
+    """The loss with the tied weight used twice the ordinary way (autograd adds its two gradients)."""
+    w = model.embed.weight
+    h = model.hidden(torch.nn.functional.embedding(idx, w))
+    logits = torch.nn.functional.linear(model.norm(h), w)
+    return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("kind", ["baseline", "mhar"])
+def test_tied_weight_gradient_is_lookup_plus_head(kind):
+    """The one-node tie (embed_tokens) gives the tied weight the gradient of its two uses, repeated tokens
+    included, and the loss make_loss trains on is the model's."""
+    from mhar_ablate.training.step import make_loss
+
+    model = _model(kind=kind)
+    idx = torch.tensor([[3, 3, 5, 9, 3, 1, 5], [0, 3, 63, 63, 2, 2, 7]])
+    targets = torch.randint(0, 64, idx.shape, generator=torch.Generator().manual_seed(0))
+    _plain_tied_loss(model, idx, targets).backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    loss = make_loss(model, None)(idx, targets)
+    loss.backward()
+    logits = model(idx).float()
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[n], rtol=1e-12, atol=1e-14, msg=n)
+
+
+def test_tied_weight_gradient_of_lookup_alone():
+    """Hidden states only (the head unused): the tied weight's gradient is the lookup's rows alone."""
+    model = _model()
+    idx = torch.tensor([[4, 4, 8]])
+    x, _ = model.embed_tokens(idx)
+    model.hidden(x).sum().backward()
+    grad = model.embed.weight.grad
+    assert set(grad.abs().sum(1).nonzero().flatten().tolist()) == {4, 8}
+
+
+def test_tied_weight_takes_no_vocabulary_sized_sum():
+    """Backward allocates one vocabulary-sized buffer for the tied weight (the head's gradient, into which
+    the lookup's rows go), where two uses of a plain weight allocate three (the head's, the lookup's zeroed
+    buffer, their sum)."""
+    from torch.profiler import profile
+
+    model = _model(vocab=4096)
+    size = model.embed.weight.numel() * model.embed.weight.element_size()
+    idx = torch.randint(0, 4096, (2, 9), generator=torch.Generator().manual_seed(0))
+
+    def vocabulary_buffers(loss_fn) -> int:
+        model.zero_grad(set_to_none=True)
+        loss = loss_fn()
+        with profile(profile_memory=True) as prof:
+            loss.backward()
+        # Allocations of the weight's size by an aten op (the enclosing ranges repeat the same bytes).
+        return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_memory_usage == size
+                   and not any(c.name.startswith("aten::") and c.cpu_memory_usage == size for c in e.cpu_children))
+
+    assert vocabulary_buffers(lambda: _plain_tied_loss(model, idx, idx)) == 3
+    assert vocabulary_buffers(lambda: torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())) == 1
+
+
+def test_untied_and_no_grad_paths_use_the_weights_directly():
+    model = _model(tie_embeddings=False)
+    idx = torch.tensor([[1, 2]])
+    x, w = model.embed_tokens(idx)
+    assert w is model.lm_head.weight and x.grad_fn is not None and "TiedEmbedding" not in type(x.grad_fn).__name__
+    with torch.no_grad():
+        x, w = _model().embed_tokens(idx)
+    assert x.grad_fn is None
+
+
+@pytest.mark.parametrize("backend,node", [("triton", "TiedEmbeddingBackward"), ("reference", "EmbeddingBackward0")])
+def test_compiled_model_ties_in_one_node_only_where_it_breaks_the_graph(backend, node):
+    """Compiled, the fused path is several graphs anyway and takes the one-node tie; a model that compiles
+    into one graph (here the reference path) keeps the plain lookup, whose gradient sum the compiler fuses."""
+    cfg = build_config(overrides={"model.preset": "tiny", "residual.kind": "mhar", "residual.backend": backend})
+    model = Decoder(cfg.model, cfg.residual, 64)
+    torch._dynamo.reset()
+    x, _ = torch.compile(model.embed_tokens, backend="eager")(torch.tensor([[1, 2, 3]]))
+    torch._dynamo.reset()
+    assert type(x.grad_fn).__name__ == node

@@ -51,6 +51,49 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+class TiedEmbedding(torch.autograd.Function):
+    """The token embeddings ``weight[idx]`` and the output head's view of ``weight``, from one autograd node.
+
+    A tied weight has two uses, so autograd gets two dense vocabulary-sized gradients and adds them: the
+    lookup's (a zeroed vocab x d buffer with its rows scattered in) and the head's. Where the model is one
+    compiled graph the compiler fuses that sum (and the model keeps to it); uncompiled, or where the routing
+    breaks the graph (the fused path), the lookup and the head sit apart, and autograd zeroes a vocabulary-
+    sized buffer for the lookup's rows and adds it to the head's. Here both reach one node, whose backward
+    adds the lookup's rows into the head's gradient in place: the looked-up rows' bytes, whatever the
+    vocabulary.
+    """
+
+    @staticmethod
+    def forward(ctx, idx: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+        ctx.save_for_backward(idx)
+        ctx.weight_shape = weight.shape
+        return F.embedding(idx, weight), weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad_rows: Tensor | None, grad_weight: Tensor | None) -> tuple[None, Tensor | None]:
+        (idx,) = ctx.saved_tensors
+        if grad_rows is None:
+            return None, grad_weight
+        if grad_weight is None:  # the head was not used (hidden states only)
+            grad_weight = grad_rows.new_zeros(ctx.weight_shape)
+        elif not grad_weight.is_contiguous():
+            grad_weight = grad_weight.clone(memory_format=torch.contiguous_format)
+        # Added to in place: the second output is the output head's weight alone (``embed_tokens``), so its
+        # gradient is the product the head's backward made for it, which nothing else holds.
+        # index_put_ with accumulate sorts the indices on a GPU, so repeated tokens add up in a fixed order
+        # (deterministic, as the dense embedding backward it replaces).
+        grad_weight.index_put_((idx.reshape(-1),), grad_rows.reshape(-1, grad_rows.shape[-1]).to(grad_weight.dtype),
+                               accumulate=True)
+        return None, grad_weight
+
+
+@torch.compiler.disable
+def tied_embedding(idx: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    # Outside the compiler: traced into a graph, the node's second output would be an alias of a graph
+    # input, which the compiled function hands back as a view of the weight, not through this node.
+    return TiedEmbedding.apply(idx, weight)
+
+
 class KVCache:
     """Every attention layer's keys and values (after QK-norm and rotary embedding, ``n_kv_heads`` heads)
     for the first ``length`` positions: two preallocated (layers, B, n_kv, max_len, head_dim) tensors."""
@@ -193,30 +236,47 @@ class Decoder(nn.Module):
         """Logits of the tokens ``idx`` (B, T): of every position, or with ``last_only`` of the last one
         (B, 1, vocab). With a ``cache`` the tokens follow the positions it holds (a prompt into an empty
         cache, then one token a step), and their keys and values are added to it."""
-        h = self.hidden(idx, cache)
-        return self.head(h[:, -1:] if last_only else h)
+        x, weight = self.embed_tokens(idx)
+        h = self.hidden(x, cache)
+        return self.head(h[:, -1:] if last_only else h, weight)
 
-    def head(self, h: Tensor) -> Tensor:
-        """Logits from the last hidden states: final norm, then the (tied) output projection."""
-        return F.linear(self.norm(h), self.embed.weight if self.lm_head is None else self.lm_head.weight)
+    def embed_tokens(self, idx: Tensor) -> tuple[Tensor, Tensor]:
+        """The token embeddings of ``idx`` and the weight the output head is to use, and only the head:
+        tied and taking gradients, both come from one autograd node (``TiedEmbedding``), which adds the
+        lookup's rows into that weight's gradient in place rather than summing two vocabulary-sized ones.
+        Not where the model compiles into one graph (the baseline, the comparison family): the compiler
+        fuses that sum itself, and the node, opaque to it, would break the graph."""
+        weight = self.embed.weight
+        one_graph = torch.compiler.is_compiling() and not self.residual.breaks_graph(weight.device)
+        if self.lm_head is None and torch.is_grad_enabled() and weight.requires_grad and not one_graph:
+            return tied_embedding(idx, weight)
+        return self.embed(idx), weight if self.lm_head is None else self.lm_head.weight
 
-    def hidden(self, idx: Tensor, cache: KVCache | None = None) -> Tensor:
-        """The hidden states after the last sublayer, before the final norm (``forward`` less ``head``)."""
+    def head(self, h: Tensor, weight: Tensor | None = None) -> Tensor:
+        """Logits from the last hidden states: final norm, then the output projection (``weight``, from
+        ``embed_tokens``; the tied embedding or the separate matrix by default)."""
+        if weight is None:
+            weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(self.norm(h), weight)
+
+    def hidden(self, x: Tensor, cache: KVCache | None = None) -> Tensor:
+        """The hidden states after the last sublayer, before the final norm, from the token embeddings
+        ``x`` (B, T, d) (``forward`` less ``embed_tokens`` and ``head``)."""
         static = cache is not None and cache.position is not None
         past = 0 if cache is None else cache.length
-        end = past + idx.shape[1]
+        end = past + x.shape[1]
         if end > self.rope_cos.shape[0]:
             raise ValueError(f"sequence of {end} tokens is longer than model.seq_len={self.rope_cos.shape[0]}")
         if cache is not None and end > cache.max_len:
             raise ValueError(f"sequence of {end} tokens is longer than the cache's {cache.max_len} positions")
         if static:
-            if idx.shape[1] != 1:
+            if x.shape[1] != 1:
                 raise ValueError("a static cache (make_static) takes one token a step")
             cos, sin = self.rope_cos.index_select(0, cache.position), self.rope_sin.index_select(0, cache.position)
-            cache.visible = (torch.arange(cache.max_len, device=idx.device) <= cache.position).view(1, 1, 1, -1)
+            cache.visible = (torch.arange(cache.max_len, device=x.device) <= cache.position).view(1, 1, 1, -1)
         else:
             cos, sin = self.rope_cos[past:end], self.rope_sin[past:end]
-        state = self.residual.start(self.embed(idx))
+        state = self.residual.start(x)
         for site, layer in enumerate(self.sublayers):
             x = self.residual.read(state, site)
             out = layer(x, cos, sin, cache, site // 2) if isinstance(layer, Attention) else layer(x)

@@ -17,6 +17,7 @@ steps that an uncaptured one with the same seed does.
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 import warnings
 from typing import Callable
@@ -49,7 +50,8 @@ def make_loss(model: Decoder, compile_mode: str | None) -> Callable[[Tensor, Ten
     (5.0 GB at ``paper100m``; docs/benchmarks.md, "Memory")."""
 
     def loss(x: Tensor, y: Tensor) -> Tensor:
-        logits = model.head(model.hidden(x))
+        embeddings, weight = model.embed_tokens(x)
+        logits = model.head(model.hidden(embeddings), weight)
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.reshape(-1))
 
     return torch.compile(loss, mode=compile_mode) if compile_mode is not None else loss
@@ -162,6 +164,11 @@ class TrainStep:
 
     def _capture(self, x: Tensor, y: Tensor) -> None:
         self._capturable(True)
+        # An earlier step's autograd graph that only a reference cycle keeps alive holds the parameters'
+        # AccumulateGrad nodes, bound to the stream that step ran on (the default one); the captured
+        # backward would then accumulate on that stream and the capture fail. Collected here, the nodes are
+        # made anew on the side stream below.
+        gc.collect()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side), warnings.catch_warnings():

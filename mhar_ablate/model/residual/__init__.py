@@ -87,6 +87,11 @@ class Residual(nn.Module):
     def finish(self, state: Any) -> Tensor:
         raise NotImplementedError
 
+    def breaks_graph(self, device: torch.device) -> bool:
+        """Whether a forward on ``device`` runs parts of the stream outside torch.compile's graphs (a
+        fused path opaque to the compiler), so that a compiled model is several graphs."""
+        return False
+
     # ------------------------------------------------------------------ training
     def no_decay_parameters(self) -> list[nn.Parameter]:
         """Parameters that take no weight decay: routing queries and key gains, static mixing weights,

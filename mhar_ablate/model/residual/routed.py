@@ -122,8 +122,12 @@ class MHARResidual(Residual):
         return sources_at(site, self.block_sublayers)
 
     def uses_fused(self, x0: Tensor) -> bool:
+        return self.breaks_graph(x0.device)
+
+    def breaks_graph(self, device: torch.device) -> bool:
+        """The fused path (below) runs between compiled graphs; it is taken on this device or not."""
         if self.backend == "auto":
-            return x0.device.type == "cuda" and self.fusable
+            return device.type == "cuda" and self.fusable
         return self.backend == "triton"
 
     def start(self, x0: Tensor) -> RoutedState | FusedState:
