@@ -54,13 +54,12 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class TiedEmbedding(torch.autograd.Function):
     """The token embeddings ``weight[idx]`` and the output head's view of ``weight``, from one autograd node.
 
-    A tied weight has two uses, so autograd gets two dense vocabulary-sized gradients and adds them: the
-    lookup's (a zeroed vocab x d buffer with its rows scattered in) and the head's. Where the model is one
-    compiled graph the compiler fuses that sum (and the model keeps to it); uncompiled, or where the routing
-    breaks the graph (the fused path), the lookup and the head sit apart, and autograd zeroes a vocabulary-
-    sized buffer for the lookup's rows and adds it to the head's. Here both reach one node, whose backward
-    adds the lookup's rows into the head's gradient in place: the looked-up rows' bytes, whatever the
-    vocabulary.
+    A tied weight used twice gets two gradients, which autograd adds: the lookup's, a zeroed vocab x d buffer
+    with its rows scattered in, and the head's. Compiled into one graph, the compiler fuses that sum (and
+    the model keeps to it); eager, or where the routing breaks the graph (the fused path), it is two
+    vocabulary-sized passes. Here both gradients reach one node, whose backward adds the looked-up rows into
+    the head's gradient in place: 0.26 ms of kernels less in a replayed ``block:4`` step at ``paper100m``
+    (docs/benchmarks.md, sixteenth round).
     """
 
     @staticmethod
