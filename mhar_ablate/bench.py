@@ -297,20 +297,21 @@ def bench_model(args: argparse.Namespace) -> int:
                     print(f"   {args.rounds} rounds: " + _rounds_summary(last), flush=True)
                 else:
                     print(f"   {args.rounds} rounds: not timed, the baseline's step failed", flush=True)
-            release(held, device)
+            held.clear()
+            release(device)
     finally:
-        release([t for t, _ in baselines.values()], device)
+        baselines.clear()
+        release(device)
     print()
     print(render_table(rows))
     return 0
 
 
-def release(trainings: list[Training], device: torch.device) -> None:
-    """Free the models, optimisers and gradients (in a graph's pool after a capture) of ``trainings``
-    before the next variant is built."""
+def release(device: torch.device) -> None:
+    """Free what the trainings just dropped held (models, optimisers, gradients in a graph's pool after a
+    capture) before the next variant is built."""
     import torch
 
-    trainings.clear()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -354,7 +355,8 @@ def _rounds_summary(row: dict) -> str:
 def _ratios(rows: list[dict]) -> None:
     """Tokens/s and peak memory of each row over the baseline's measured the same way (compile mode, CUDA
     graph or not), and tokens/s over the fastest baseline of the run, whatever its mode: the variant
-    against the baseline at its best."""
+    against the baseline at its best. A row timed in rounds (``interleave``) takes its rounds' median ratio,
+    and reaches the fastest baseline through its own."""
     fastest = max((r["tokens_per_s"] for r in rows
                    if r["routing"] == "baseline" and r["status"] == "ok" and r["tokens_per_s"]), default=None)
     for row in rows:
@@ -362,12 +364,14 @@ def _ratios(rows: list[dict]) -> None:
                      and r["cuda_graph"] == row["cuda_graph"]), None)
         ok = base is not None and base["tokens_per_s"] and row["tokens_per_s"]
         row["ratio_to_baseline"] = round(row["tokens_per_s"] / base["tokens_per_s"], 4) if ok else None
-        if row.get("round_ratios") and row["status"] == "ok":  # --rounds: steps timed side by side
+        if ok and row.get("round_ratios"):  # --rounds: steps timed side by side
             row["ratio_to_baseline"] = round(statistics.median(row["round_ratios"]), 4)
         row["peak_ratio_to_baseline"] = (round(row["peak_gb"] / base["peak_gb"], 4)
                                          if ok and row["peak_gb"] and base["peak_gb"] else None)
         row["ratio_to_fastest_baseline"] = (round(row["tokens_per_s"] / fastest, 4)
                                             if fastest and row["tokens_per_s"] else None)
+        if ok and fastest and row.get("round_ratios"):  # through its baseline: rounds' times ran under load
+            row["ratio_to_fastest_baseline"] = round(row["ratio_to_baseline"] * base["tokens_per_s"] / fastest, 4)
 
 
 def _row_summary(row: dict) -> str:

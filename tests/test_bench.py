@@ -186,6 +186,7 @@ def test_rounds_time_variant_and_baseline_in_turn(monkeypatch):
     rows = [base, row]
     _ratios(rows)
     assert row["ratio_to_baseline"] == 0.8  # the rounds' median, not the rows' tokens/s
+    assert row["ratio_to_fastest_baseline"] == 0.8  # through its baseline, the fastest here
     assert "0.800 (0.800–1.000, 3 rounds)" in render_table(rows)
 
 

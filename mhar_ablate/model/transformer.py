@@ -58,7 +58,7 @@ class TiedEmbedding(torch.autograd.Function):
     with its rows scattered in, and the head's. Compiled into one graph, the compiler fuses that sum (and
     the model keeps to it); eager, or where the routing breaks the graph (the fused path), it is two
     vocabulary-sized passes. Here both gradients reach one node, whose backward adds the looked-up rows into
-    the head's gradient in place: 0.26 ms of kernels less in a replayed ``block:4`` step at ``paper100m``
+    the head's gradient in place: 0.23 ms of kernels less in a replayed ``block:4`` step at ``paper100m``
     (docs/benchmarks.md, sixteenth round).
     """
 

@@ -164,7 +164,8 @@ class TrainStep:
 
     def _capture(self, x: Tensor, y: Tensor) -> None:
         self._capturable(True)
-        # An earlier step's autograd graph that only a reference cycle keeps alive holds the parameters'
+        # An earlier step's autograd graph that only a reference cycle keeps alive (``FusedState.release``
+        # names one: the fused path's state of the step that compiled the model) holds the parameters'
         # AccumulateGrad nodes, bound to the stream that step ran on (the default one); the captured
         # backward would then accumulate on that stream and the capture fail. Collected here, the nodes are
         # made anew on the side stream below.
