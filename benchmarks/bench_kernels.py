@@ -112,7 +112,15 @@ class Step:
         self.merged = torch.empty((N, d), dtype=dtype, device=device)
         self.summed = torch.empty((N, d), dtype=dtype, device=device)
         self.grad_partial = torch.empty((1, N, d), dtype=dtype, device=device)
-        self.dqg = torch.zeros((n, d), dtype=torch.float32, device=device)
+        # the routing parameters' and the folded norms' gains' gradients, a site a row each, as the fused path
+        # keeps them (one tensor, so that a site's backward adds both rows in one launch)
+        self.param_grads = torch.zeros((2, n, d), dtype=torch.float32, device=device)
+        self.dqg, self.dnorm = self.param_grads[0], self.param_grads[1]
+        # --norms: the sublayers' pre-norms folded into the kernels (``history.Norm``), gains away from 1
+        self.norms = False
+        self.gain = 1 + 0.1 * torch.randn(n, d, generator=gen, device=device)
+        self.normed = torch.empty((N, d), dtype=dtype, device=device)
+        self.norm_grads = torch.empty((n, N, d), dtype=dtype, device=device)  # where the prologues write
         self.dzr = torch.randn(kernels["column"].dzr_rows(n, n, 1) * H * N, generator=gen, device=device)
         # Where the column passes read the output gradients: in place, through a table (``GradRows``, whose
         # offsets the backward prologue records), or the copies the prologue writes, here onto the gradients
@@ -165,8 +173,9 @@ class Step:
                     # checked against outputs computed after every merge has run).
                     out.append((lambda p=p, site=site, state=state, h=h: history.sites_forward(
                         self.buffer[h:h + p.k], self.qg[site:site + 1], H, eps, self.merged, None,
-                        self.lse[site:site + 1], init=state.unsqueeze(0), rms=self.rms[h:h + p.k]),
-                        p.k * U + p.k * N * 4 + 2 * U + 2 * N * H * 4))
+                        self.lse[site:site + 1], init=state.unsqueeze(0), rms=self.rms[h:h + p.k],
+                        **self.norm_out(site, kernels)),
+                        p.k * U + p.k * N * 4 + (3 if self.norms else 2) * U + 2 * N * H * 4))
         elif kind == "sites_bwd":
             empty = self.buffer[:0]
             for s in range(self.n_sites):
@@ -174,9 +183,14 @@ class Step:
                     history.sites_backward(empty, empty, None, self.qg[s:s + 1], H, eps, self.grad_out[s:s + 1],
                                            self.lse[s:s + 1], self.delta[s:s + 1], out=self.out[s],
                                            **self.keep_grad(s, kernels))
-                    return self.delta[s], self.copy[s]
+                    return (self.delta[s], self.norm_grads[s]) if self.norms else (self.delta[s], self.copy[s])
 
-                out.append((prologue, (2 if self.in_place(kernels) else 3) * U + 2 * N * H * 4))
+                out.append((prologue, (2 if self.in_place(kernels) and not self.norms else 3) * U + 2 * N * H * 4))
+        elif kind == "norm_rows":  # --norms: block:4's sites that merge nothing, their pre-norm a pass of its own
+            if self.norms:
+                for s in range(0, self.n_sites - 1, 8):
+                    out.append((lambda s=s: (history.norm_rows(self.out[s], history.Norm(
+                        self.gain[s], eps, self.normed)), self.normed)[1:], 2 * U))
         elif kind in ("block_fwd", "block_bwd"):
             # block:4's sites that read their block's partial sum (sites s with s % 8 > 0): the merge that
             # also makes the sum (partial + the block's last output, written), and the backward that adds the
@@ -188,18 +202,20 @@ class Step:
 
                     def merge(s=s, partial=partial, addend=addend, rows=rows, state=state):
                         history.sites_forward(partial, self.qg[rows], H, eps, self.merged, None, self.lse[rows],
-                                              init=state, addend=addend, sum_out=self.summed)
+                                              init=state, addend=addend, sum_out=self.summed,
+                                              **self.norm_out(s, kernels))
                         return self.merged, self.summed
 
-                    out.append((merge, 5 * U + 2 * N * H * 4))
+                    out.append((merge, (6 if self.norms else 5) * U + 2 * N * H * 4))
                 else:
                     def block_bwd(s=s, partial=partial, rows=rows):
                         history.sites_backward(partial, self.grad_partial, self.out[s - 1:s], self.qg[rows], H, eps,
                                                self.grad_out[rows], self.lse[rows], self.delta[rows],
                                                out=self.out[s], dqg=self.dqg[rows], **self.keep_grad(s, kernels))
-                        return self.grad_partial, self.delta[s], self.copy[s]
+                        return self.grad_partial, self.delta[s], self.norm_grads[s] if self.norms else self.copy[s]
 
-                    out.append((block_bwd, (5 if self.in_place(kernels) else 6) * U + 2 * N * H * 4))
+                    out.append((block_bwd, (5 if self.in_place(kernels) and not self.norms else 6) * U
+                                + 2 * N * H * 4))
         elif kind == "column":
             stats = 3 * N * H * 4  # per site: its log-sum-exps and deltas read, dz * r written
             if not hasattr(column, "slot_passes"):  # an earlier column module: one pass a slot
@@ -283,10 +299,22 @@ class Step:
 
     def keep_grad(self, s: int, kernels) -> dict:
         """How site s's backward prologue keeps its output gradient for the column passes: its offset recorded
-        in the table (the value the table holds already), or a copy."""
+        in the table (the value the table holds already), or a copy; with --norms the gradient it makes from
+        the normed input's, written where the fused path writes it (in place, here into a row of its own so
+        that replays read the same values, or the copy)."""
+        if self.norms:
+            norm = {"norm": kernels["history"].Norm(self.gain[s], 1e-6, grad=self.dnorm[s]),
+                    "grad_copy": self.norm_grads[s:s + 1]}
+            if self.in_place(kernels):
+                norm["record"] = (self.table[s:s + 1], s * self.N * self.d)
+            return norm
         if self.in_place(kernels):
             return {"record": (self.table[s:s + 1], s * self.N * self.d)}
         return {"grad_copy": self.copy[s:s + 1]}
+
+    def norm_out(self, s: int, kernels) -> dict:
+        """With --norms, a merge's pre-norm written too."""
+        return {"norm": kernels["history"].Norm(self.gain[s], 1e-6, self.normed)} if self.norms else {}
 
     def group_bytes(self, B: int, S: int) -> int:
         """What a group pass of B slots over S sites moves (the module docstring's list)."""
@@ -295,7 +323,7 @@ class Step:
 
 
 KINDS = ("write_slot", "history_fwd", "sites_fwd", "sites_bwd", "column", "column_groups", "query_grad", "block_fwd",
-         "block_bwd", "block_history")
+         "block_bwd", "block_history", "norm_rows")
 
 
 def time_calls(calls, device, reps: int = 10) -> float:
@@ -377,6 +405,11 @@ def main() -> int:
     p.add_argument("--kinds", default=",".join(KINDS), help="the kinds timed at their defaults")
     p.add_argument("--profile-kinds", default="column,history_fwd,query_grad,block_bwd,sites_bwd",
                    help="with --profile: the kinds whose largest call is profiled (the variants' too)")
+    p.add_argument("--norms", action="store_true",
+                   help="the sublayers' pre-norms folded in, as training runs them: the merges write the normed "
+                        "input too, the backward rows make the input's gradient from the normed one's (sites_fwd, "
+                        "block_fwd, sites_bwd, block_bwd), and block:4's sites that merge nothing take a pass of "
+                        "their own (norm_rows); the earlier kernels (--prev) run without")
     p.add_argument("--prev", default="", help="folder holding a package prev_kernels (earlier kernels) to time too")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_kernels_out"))
     args = p.parse_args()
@@ -397,6 +430,7 @@ def main() -> int:
     rows = []
     for preset in args.presets.split(","):
         step = Step(preset, args.heads, torch.bfloat16, device, current)
+        step.norms = args.norms
         print(f"{preset}: d {step.d}, N {step.N}, {step.n_sites} sites", flush=True)
 
         def record(kind, label, kernels, check=None):
@@ -425,11 +459,13 @@ def main() -> int:
         # the merges move their log-sum-exps in place: nothing fixed to compare
         reference["sites_fwd"] = reference["block_fwd"] = None
         reference["block_bwd"] = outputs(step.calls("block_bwd", current))
+        reference["norm_rows"] = None
         # The column kernels first: the head-tiled forward rewrites the log-sum-exps that they read.
         saved = (column.COLUMN_CONFIG, column.QUERY_GRAD_CONFIG, column.COLUMN_MAXNREG,
                  {k: dict(v) for k, v in history.HISTORY_CONFIG.items()}, history.WRITE_SLOT_CONFIG,
                  history.ROW_WARPS, column.TWO_SLOT_CONFIG, column.TWO_SLOTS, history.ROW_MAXNREG,
-                 history.ROW_BWD_STAGES, dict(history.ROW_BWD_CONFIG), history.HISTORY_DOT_CONFIG,
+                 history.ROW_BWD_STAGES, (dict(history.ROW_BWD_CONFIG), dict(history.ROW_BWD_NORM_CONFIG)),
+                history.HISTORY_DOT_CONFIG,
                  column.GROUP_SLOTS, column_group.GROUP_CONFIG, column.GROUP_PASS_WEIGHT, column.GRADS_IN_PLACE,
                  history.HISTORY_TILES, dict(history.MERGE_CONFIG))
         variants = [("column", "prev", prev, None)] if prev is not None else []
@@ -497,8 +533,9 @@ def main() -> int:
                 history.ROW_MAXNREG = cfg
             elif what == "stages":
                 history.ROW_BWD_STAGES = cfg[0]
-                if len(cfg) > 1:  # the same cap for both forms
+                if len(cfg) > 1:  # the same cap for both forms, with the pre-norm or without
                     history.ROW_BWD_CONFIG = {(step.d, args.heads): ((cfg[1], cfg[0]),) * 2}
+                    history.ROW_BWD_NORM_CONFIG = dict(history.ROW_BWD_CONFIG)
             elif what == "dot":
                 history.HISTORY_DOT_CONFIG = cfg
             elif what == "merge":
@@ -514,7 +551,8 @@ def main() -> int:
             history.HISTORY_CONFIG = {k: dict(v) for k, v in saved[3].items()}
             (history.WRITE_SLOT_CONFIG, history.ROW_WARPS, column.TWO_SLOT_CONFIG, column.TWO_SLOTS,
              history.ROW_MAXNREG, history.ROW_BWD_STAGES) = saved[4:10]
-            history.ROW_BWD_CONFIG, history.HISTORY_DOT_CONFIG = dict(saved[10]), saved[11]
+            history.ROW_BWD_CONFIG, history.ROW_BWD_NORM_CONFIG = dict(saved[10][0]), dict(saved[10][1])
+            history.HISTORY_DOT_CONFIG = saved[11]
             (column.GROUP_SLOTS, column_group.GROUP_CONFIG, column.GROUP_PASS_WEIGHT,
              column.GRADS_IN_PLACE) = saved[12:16]
             history.HISTORY_TILES, history.MERGE_CONFIG = saved[16], dict(saved[17])
@@ -543,6 +581,7 @@ def main() -> int:
             continue
         for kind, label, kernels, setting in variants:
             apply(setting)
+            step.norms = args.norms and kernels is current
             # another plan's group passes cover other slots: nothing of the default's to compare them with
             check = None if kind == "column_groups" and setting[0] == "groups" else reference[kind]
             try:

@@ -44,9 +44,9 @@ POINTERS = {  # argument: element type; the rest of the arguments are i32 or con
     "carry_ptr": "fp32", "carry_dr_ptr": "fp32", "src_ptr": "bf16", "out0_ptr": "bf16", "rest_ptr": "bf16",
     "part_ptr": "fp32", "dsrc_ptr": "bf16", "base_ptr": "bf16", "out_ptr": "bf16", "gcopy_ptr": "bf16",
     "gtab_ptr": "i64", "init_ptr": "bf16", "add_ptr": "bf16", "sum_ptr": "bf16",
-    "dqg_part_ptr": "fp32", "acc_ptr": "fp32", "dr_ptr": "fp32",
+    "dqg_part_ptr": "fp32", "acc_ptr": "fp32", "dr_ptr": "fp32", "nw_ptr": "fp32", "normed_ptr": "bf16",
 }
-FLOATS = {"eps"}
+FLOATS = {"eps", "norm_eps"}
 INT64 = {"g_offset"}  # an offset in elements, of any size
 ALIGNED = set(POINTERS) | {"stride_s"}  # 16-divisible, as the JIT sees them on a launch
 TOKENS = "N"  # 16-divisible at every preset: so too on a launch where the kernel specialises it
@@ -189,17 +189,20 @@ def group_rows(d: int, heads: int, configs: list[tuple], use_ptx: bool) -> list[
     return out
 
 
-def row_bwd_rows(d: int, heads: int, stages: list[int]) -> list[dict]:
+def row_bwd_rows(d: int, heads: int, stages: list[int], norms: bool) -> list[dict]:
     """The backward row kernel (``history.sites_backward``) as training launches it: a site's prologue
     alone (S = 0) and a ``block:K`` site with its partial sum (S = 1, added to the later sums' gradient),
-    at the table's pipeline depth and at ``stages``, with the table's register cap."""
+    with ``norms`` the sublayer's pre-norm's backward folded in, at the table's pipeline depth and at
+    ``stages``, with the table's register cap."""
     out = []
     warps = history._num_warps(d, heads, 1)
+    in_place = column.grads_in_place(d)
+    configs, default = ((history.ROW_BWD_NORM_CONFIG, history.ROW_BWD_NORM_DEFAULT) if norms
+                        else (history.ROW_BWD_CONFIG, history.ROW_BWD_DEFAULT))
     for S in (0, 1):
         meta = {**head_meta(d, heads, has_b=True), "BLOCK_G": 1, "ACCUMULATE": S > 0, "COMPUTE_DELTA": True,
-                "COPY_GRAD": not column.grads_in_place(d), "RECORD": column.grads_in_place(d), "WRITE_DQG": S > 0,
-                "S": S}
-        cap, table = history.ROW_BWD_CONFIG.get((d, heads), (history.ROW_BWD_DEFAULT,) * 2)[S]
+                "COPY_GRAD": norms or not in_place, "RECORD": in_place, "WRITE_DQG": S > 0, "NORM": norms, "S": S}
+        cap, table = configs.get((d, heads), (default,) * 2)[S]
         for depth in [table] + [s for s in stages if s != table]:
             fn = history._sites_bwd_kernel
             # a token's rows: the output gradient and the output, and with S = 1 the sum and the later gradient
@@ -209,14 +212,15 @@ def row_bwd_rows(d: int, heads: int, stages: list[int]) -> list[dict]:
     return out
 
 
-def merge_rows(d: int, heads: int, stages: list[int]) -> list[dict]:
+def merge_rows(d: int, heads: int, stages: list[int], norms: bool) -> list[dict]:
     """A site's merge (``history._merge_fwd_kernel``) as training launches it: ``block:K``'s (one source, the
     block's partial sum made in the pass) and ``full``'s (1 to 3 slots with their RMS), at the table's pipeline
-    depth (2 and the row kernels' warps at widths the table leaves to the row kernel) and at ``stages``."""
+    depth (2 and the row kernels' warps at widths the table leaves to the row kernel) and at ``stages``; with
+    ``norms`` the sublayer's pre-norm written too."""
     out = []
     warps, table = history.MERGE_CONFIG.get((d, heads), (history._num_warps(d, heads, 1), 2))
     for S, add in ((1, True), (1, False), (3, False)):
-        meta = {**head_meta(d, heads, has_b=True), "S": S, "USE_RMS": not add, "ADD": add}
+        meta = {**head_meta(d, heads, has_b=True), "S": S, "USE_RMS": not add, "ADD": add, "NORM": norms}
         for depth in [table] + [s for s in stages if s != table]:
             fn = history._merge_fwd_kernel
             # a token's rows: the partial state, the S sources, with ADD the block's last output
@@ -261,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--merge-stages", default="2,4", help="'STAGES,...': the merges' kernel's pipeline depths")
     p.add_argument("--sites-per-pass", type=int, default=4)
     p.add_argument("--portable", action="store_true", help="the interpreter's forms instead of the inline PTX")
+    p.add_argument("--norms", action="store_true", help="the row and merge kernels with the sublayers' pre-norms "
+                   "folded in (model/residual/fused.py, FOLD_NORMS; its default decides without this)")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         print("kernel_resources.py: unset TRITON_INTERPRET (it compiles for the GPU)", file=sys.stderr)
@@ -272,14 +278,19 @@ def main(argv: list[str] | None = None) -> int:
     group_configs = [tuple(int(v) for v in c.split(",")) for c in args.group_configs.split(";") if c.strip()]
     block_g = triton.next_power_of_2(args.sites_per_pass)
     ptx_forms = not args.portable
+    from mhar_ablate.model.residual import fused
+
+    norms = args.norms or fused.FOLD_NORMS
     kinds = {
         "column": lambda d: column_rows(d, args.heads, configs, ptx_forms),
         "history": lambda d: history_rows(d, args.heads, block_g, fwd_configs, ptx_forms),
         "dot": lambda d: history_dot_rows(d, args.heads, block_g, dot_configs, ptx_forms),
         "group": lambda d: group_rows(d, args.heads, group_configs, ptx_forms),
         "query": lambda d: query_rows(d, args.heads, query_configs),
-        "row": lambda d: row_bwd_rows(d, args.heads, [int(v) for v in args.row_stages.split(",") if v.strip()]),
-        "merge": lambda d: merge_rows(d, args.heads, [int(v) for v in args.merge_stages.split(",") if v.strip()]),
+        "row": lambda d: row_bwd_rows(d, args.heads, [int(v) for v in args.row_stages.split(",") if v.strip()],
+                                      norms),
+        "merge": lambda d: merge_rows(d, args.heads, [int(v) for v in args.merge_stages.split(",") if v.strip()],
+                                      norms),
     }
     only = [k for k in args.only.split(",") if k.strip()] or list(kinds)
     unknown = sorted(set(only) - set(kinds))

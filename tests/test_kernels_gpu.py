@@ -589,22 +589,41 @@ def routed_stack(grouping: str, d: int, layers: int, heads: int, backend: str, s
     return res
 
 
-def stack_grads(res, layers: int, x0: torch.Tensor, probe: torch.Tensor, dtype: torch.dtype) -> dict:
+def stack_grads(res, layers: int, x0: torch.Tensor, probe: torch.Tensor, dtype: torch.dtype,
+                norms: bool = False) -> dict:
     """Loss and gradients of a stack whose sublayers are contracting per-channel affine maps (so that no
-    channel grows with depth and low-precision runs stay comparable with the float64 one)."""
+    channel grows with depth and low-precision runs stay comparable with the float64 one). With ``norms``
+    each sublayer first takes its input through the decoder's RMSNorm (gains away from 1), which the fused
+    path computes in its own kernels (``read_with_norm``)."""
+    from mhar_ablate.model.transformer import RMSNorm
+
     gen = torch.Generator(device=DEVICE).manual_seed(4)
     d = x0.shape[-1]
     scale = (0.5 * torch.tanh(randn(gen, 2 * layers, d))).to(dtype).requires_grad_(True)
     shift = randn(gen, 2 * layers, d).to(dtype)
+    gains = (1 + 0.3 * randn(gen, 2 * layers, d)).to(torch.float64 if dtype == torch.float64 else torch.float32)
+    modules = []
+    for site in range(2 * layers):
+        modules.append(RMSNorm(d, 1e-6).to(DEVICE, gains.dtype))
+        with torch.no_grad():
+            modules[-1].weight.copy_(gains[site])
     x0 = x0.to(dtype).requires_grad_(True)
     res.zero_grad(set_to_none=True)
     state = res.start(x0)
     for site in range(2 * layers):
-        res.write(state, site, res.read(state, site) * scale[site] + shift[site])
+        if norms:  # the norm's output in the stack's dtype, as autocast hands it to a sublayer's matrices
+            x, h = res.read_with_norm(state, site, modules[site])
+            h = (modules[site](x) if h is None else h).to(dtype)
+        else:
+            h = res.read(state, site)
+        res.write(state, site, (h * scale[site] + shift[site]).to(dtype))
     loss = (res.finish(state).double() * probe).sum()
     loss.backward()
-    return {"loss": loss.detach(), "x0": x0.grad, "scale": scale.grad, "query": res.query.grad,
-            "key_weight": res.key_weight.grad}
+    out = {"loss": loss.detach(), "x0": x0.grad, "scale": scale.grad, "query": res.query.grad,
+           "key_weight": res.key_weight.grad}
+    if norms:
+        out["gains"] = torch.stack([m.weight.grad for m in modules])
+    return out
 
 
 @dtypes
@@ -621,6 +640,29 @@ def test_fused_path_matches_float64(dtype, grouping, spp, d, heads):
     ref = stack_grads(routed_stack(grouping, d, layers, heads, "reference", spp), layers, x0, probe, dtype)
     poison()
     fused = stack_grads(routed_stack(grouping, d, layers, heads, "triton", spp), layers, x0, probe, dtype)
+    for name, t in truth.items():
+        err, ref_err = rel_err(fused[name], t), rel_err(ref[name], t)
+        assert err <= max(3 * ref_err, TOL[dtype]), f"{name}: {err:.2e} (reference in {dtype_id(dtype)}: {ref_err:.2e})"
+
+
+@dtypes
+@pytest.mark.parametrize("grouping,spp,d,heads", [("full", 4, 1280, 8), ("block:2", 4, 1280, 8), ("full", 4, 1024, 8),
+                                                   ("block:2", 4, 1024, 8), ("full", 2, 256, 1)], ids=lambda v: str(v))
+def test_fused_path_with_sublayer_norms_matches_float64(dtype, grouping, spp, d, heads, monkeypatch):
+    """The same with each sublayer's RMSNorm folded into the sites' kernels (the merges', the lone sites' row
+    pass, the prologues' backward), the output gradients copied (d = 1280) or made in place (d = 1024): the
+    norms' gains' gradients too."""
+    from mhar_ablate.model.residual import fused
+
+    monkeypatch.setattr(fused, "FOLD_NORMS", True)
+    layers, tokens = 5, 67
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    x0, probe = randn(gen, 1, tokens, d), randn(gen, 1, tokens, d).double()
+    truth = stack_grads(routed_stack(grouping, d, layers, heads, "reference", spp).double(), layers, x0, probe,
+                        torch.float64, norms=True)
+    ref = stack_grads(routed_stack(grouping, d, layers, heads, "reference", spp), layers, x0, probe, dtype, norms=True)
+    poison()
+    fused = stack_grads(routed_stack(grouping, d, layers, heads, "triton", spp), layers, x0, probe, dtype, norms=True)
     for name, t in truth.items():
         err, ref_err = rel_err(fused[name], t), rel_err(ref[name], t)
         assert err <= max(3 * ref_err, TOL[dtype]), f"{name}: {err:.2e} (reference in {dtype_id(dtype)}: {ref_err:.2e})"

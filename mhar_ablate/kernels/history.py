@@ -41,6 +41,8 @@ to BLOCK_DB; ``launch.head_meta``); on CPU tensors the kernels run through Trito
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -50,7 +52,7 @@ from . import ptx
 from .launch import by_width, head_meta, launch, persistent_programs, products_fit, tile_width
 from .products import head_columns, split, stack_halves, sum_halves
 
-__all__ = ["write_slot", "sites_forward", "sites_backward", "history_forward", "add_row_sums"]
+__all__ = ["write_slot", "sites_forward", "sites_backward", "history_forward", "add_row_sums", "Norm", "norm_rows"]
 
 
 @triton.jit
@@ -72,6 +74,21 @@ def _write_slot_kernel(src_ptr, add_ptr, dst_ptr, rms_ptr, N, eps, D: tl.constex
 
 
 @triton.jit
+def _norm_rows_kernel(src_ptr, w_ptr, dst_ptr, N, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_T: tl.constexpr):
+    # A sublayer's pre-norm of a site's output (``norm_rows``), BLOCK_T tokens a program.
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.arange(0, BLOCK_D)
+    ok = (tok < N)[:, None] & (c < D)[None, :]
+    offs = tok[:, None] * D + c[None, :]
+    y = tl.load(src_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(y * y, axis=1) / D + eps)
+    w = tl.load(w_ptr + c, mask=c < D, other=0.0)[None, :]
+    n = (y * r[:, None]).to(src_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(dst_ptr + offs, (n * w).to(dst_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _softmax_step(m, l, z):
     """One more source into running (max, sum) softmax states: the new states, the factor that rescales
     what was accumulated, and the new source's weight."""
@@ -81,22 +98,39 @@ def _softmax_step(m, l, z):
     return m_new, l * alpha + p, alpha, p
 
 
+@triton.jit
+def _normed(ya, yb, w_ptr, col_a, col_b, b_ok, eps, dtype: tl.constexpr, D: tl.constexpr, HAS_B: tl.constexpr):
+    """A whole row's pre-norm as the decoder's RMSNorm computes it: ``(y * rsqrt(mean(y^2) + eps))`` rounded
+    to ``dtype``, times the gain, in fp32. ``ya``/``yb``: the row's two blocks (``yb`` ignored without HAS_B;
+    its padding lanes zero), the row as stored."""
+    ss = tl.sum(tl.reshape(ya * ya, [ya.numel]), axis=0)
+    if HAS_B:
+        ss += tl.sum(tl.reshape(yb * yb, [yb.numel]), axis=0)
+    r = 1.0 / tl.sqrt(ss / D + eps)
+    na = (ya * r).to(dtype).to(tl.float32) * tl.load(w_ptr + col_a)
+    nb = na
+    if HAS_B:
+        nb = (yb * r).to(dtype).to(tl.float32) * tl.load(w_ptr + col_b, mask=b_ok, other=0.0)
+    return na, nb
+
+
 # Counts are not specialised on (S == 1, N % 16, ...): every site's S differs, and each specialisation would
 # be one more compilation, paid inside the first training steps. The rest part of a head (DB channels) is
 # compiled in only when the head width is not a power of two (HAS_B), so that power-of-two widths carry no
 # empty loads, masks or reductions.
 @triton.jit(do_not_specialize=["N", "S", "G"])
 def _sites_fwd_kernel(
-    src_ptr, rms_ptr, qg_ptr, init_ptr, out0_ptr, rest_ptr, lse_ptr, add_ptr, sum_ptr,
-    N, S, G, stride_s, eps,
+    src_ptr, rms_ptr, qg_ptr, init_ptr, out0_ptr, rest_ptr, lse_ptr, add_ptr, sum_ptr, nw_ptr, normed_ptr,
+    N, S, G, stride_s, eps, norm_eps,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_G: tl.constexpr, HAS_INIT: tl.constexpr,
-    USE_RMS: tl.constexpr, ADD: tl.constexpr,
+    USE_RMS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr,
 ):
     # USE_RMS: the sources' RMS statistics are read from ``rms`` (buffer slots have them) instead of being
     # reduced from the row, a reduction across the program's warps per source. ADD (one source, S = 1):
     # the source is src + add, summed in fp32 and rounded to sum's dtype as torch adds, and written to sum
-    # (a block's partial sum, made in the pass that first reads it).
+    # (a block's partial sum, made in the pass that first reads it). NORM (one site, G = 1): the output's
+    # pre-norm by the gain at ``nw`` is written to ``normed`` too (``_normed``).
     tok = tl.program_id(0).to(tl.int64)
     row = tok * D
     k = tl.arange(0, BLOCK_G)[:, None, None]  # [BLOCK_G, 1, 1] site within the group
@@ -177,11 +211,18 @@ def _sites_fwd_kernel(
     out_a = (acc_a * inv_l).to(out0_ptr.dtype.element_ty)
     tl.store(out0_ptr + row + col_a + k * 0, out_a, mask=first)
     tl.store(rest_ptr + rest_row + col_a, out_a, mask=later)
+    out_b = out_a  # (a placeholder without HAS_B)
     if HAS_B:
         out_b = (acc_b * inv_l).to(out0_ptr.dtype.element_ty)
         tl.store(out0_ptr + row + col_b + k * 0, out_b, mask=first & b_ok)
         tl.store(rest_ptr + rest_row + col_b, out_b, mask=later & b_ok)
     tl.store(lse_ptr + kh, m + tl.log(l), mask=kh_ok)
+    if NORM:
+        na, nb = _normed(out_a.to(tl.float32), out_b.to(tl.float32), nw_ptr, col_a, col_b, b_ok, norm_eps,
+                         out0_ptr.dtype.element_ty, D, HAS_B)
+        tl.store(normed_ptr + row + col_a + k * 0, na.to(normed_ptr.dtype.element_ty), mask=first)
+        if HAS_B:
+            tl.store(normed_ptr + row + col_b + k * 0, nb.to(normed_ptr.dtype.element_ty), mask=first & b_ok)
 
 
 # A site's merge of its partial state with the few sources it reads beyond its group's history (a block's
@@ -191,10 +232,11 @@ def _sites_fwd_kernel(
 # program p walks tokens p, p + P, ...; the same arithmetic as ``_sites_fwd_kernel`` with HAS_INIT.
 @triton.jit(do_not_specialize=["N", "tokens_per_program"])
 def _merge_fwd_kernel(
-    src_ptr, rms_ptr, qg_ptr, init_ptr, out_ptr, lse_ptr, add_ptr, sum_ptr,
-    N, stride_s, eps, tokens_per_program,
+    src_ptr, rms_ptr, qg_ptr, init_ptr, out_ptr, lse_ptr, add_ptr, sum_ptr, nw_ptr, normed_ptr,
+    N, stride_s, eps, norm_eps, tokens_per_program,
     S: tl.constexpr, D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
-    BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, USE_RMS: tl.constexpr, ADD: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, USE_RMS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -254,26 +296,39 @@ def _merge_fwd_kernel(
             if HAS_B:
                 acc_b = acc_b * alpha[:, None] + p[:, None] * xb
         inv_l = 1.0 / l[:, None]
-        tl.store(out_ptr + row + col_a, (acc_a * inv_l).to(out_ptr.dtype.element_ty), mask=live & (ja >= 0))
+        out_a = (acc_a * inv_l).to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + row + col_a, out_a, mask=live & (ja >= 0))
+        out_b = out_a
         if HAS_B:
-            tl.store(out_ptr + row + col_b, (acc_b * inv_l).to(out_ptr.dtype.element_ty), mask=live & b_ok)
+            out_b = (acc_b * inv_l).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + row + col_b, out_b, mask=live & b_ok)
         tl.store(lse_ptr + tok * H + h[None, :], (m + tl.log(l))[None, :], mask=live & (h[None, :] >= 0))
+        if NORM:
+            na, nb = _normed(out_a.to(tl.float32), out_b.to(tl.float32), nw_ptr, col_a, col_b, b_ok, norm_eps,
+                             out_ptr.dtype.element_ty, D, HAS_B)
+            tl.store(normed_ptr + row + col_a, na.to(normed_ptr.dtype.element_ty), mask=live & (ja >= 0))
+            if HAS_B:
+                tl.store(normed_ptr + row + col_b, nb.to(normed_ptr.dtype.element_ty), mask=live & b_ok)
 
 
 @triton.jit(do_not_specialize=["N", "G", "tokens_per_program", "g_offset"])
 def _sites_bwd_kernel(
     src_ptr, dsrc_ptr, base_ptr, qg_ptr, g_ptr, lse_ptr, delta_ptr, out_ptr, gcopy_ptr, gtab_ptr, dqg_part_ptr,
-    N, G, stride_s, eps, tokens_per_program, g_offset,
+    nw_ptr, N, G, stride_s, eps, norm_eps, tokens_per_program, g_offset,
     S: tl.constexpr, D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_G: tl.constexpr, ACCUMULATE: tl.constexpr,
     COMPUTE_DELTA: tl.constexpr, COPY_GRAD: tl.constexpr, RECORD: tl.constexpr, WRITE_DQG: tl.constexpr,
-    STAGES: tl.constexpr,
+    NORM: tl.constexpr, STAGES: tl.constexpr,
 ):
     # Persistent: program p walks tokens p, p + P, ... so that the qg-gradient partial sums are one
     # [BLOCK_G, D] row per program, not per token. ACCUMULATE: the sources' gradients are base + this
     # pass's (base may be dsrc itself). The S sources (0 or 1 in training: a block's partial sum) are
     # unrolled, so that the token loop holds no inner loop and is software-pipelined over STAGES tokens:
     # the next tokens' rows are copied into shared memory while this one is reduced.
+    # NORM (one site, with COMPUTE_DELTA and COPY_GRAD): ``g`` is the gradient of the site's output after
+    # the sublayer's pre-norm (gain at ``nw``); the output's own gradient is made from it first, and is what
+    # the rest of the pass uses and ``gcopy`` keeps; the gain's partial sums follow the qg ones, in row
+    # BLOCK_G of each program's partials.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     if RECORD:  # where the column passes will find this site's output gradient (``grad_rows``)
@@ -294,6 +349,13 @@ def _sites_bwd_kernel(
     dqg_b = tl.zeros([BLOCK_G, H, BLOCK_DB], tl.float32)
     if HAS_B:
         qg_b = tl.load(qg_ptr + k * D + col_b, mask=k_ok & b_ok, other=0.0)
+    if NORM:
+        nw_a = tl.load(nw_ptr + col_a)
+        nw_b = qg_b
+        if HAS_B:
+            nw_b = tl.load(nw_ptr + col_b, mask=b_ok, other=0.0)
+        dnw_a = tl.zeros([BLOCK_G, H, DA], tl.float32)
+        dnw_b = tl.zeros([BLOCK_G, H, BLOCK_DB], tl.float32)
 
     for i in tl.range(tokens_per_program, num_stages=STAGES):
         tok = (pid + i * num_programs).to(tl.int64)
@@ -312,15 +374,37 @@ def _sites_bwd_kernel(
         lse = tl.load(lse_ptr + kh, mask=kh_ok, other=float("inf"))
         if COMPUTE_DELTA:
             oa = tl.load(out_ptr + row + col_a).to(tl.float32)
-            delta = tl.sum(ga * oa, axis=2)  # [BLOCK_G, H]
-            if COPY_GRAD:
-                tl.store(gcopy_ptr + site_row + col_a, ga.to(gcopy_ptr.dtype.element_ty), mask=k_ok & live)
+            ob = oa
             if HAS_B:
                 ob = tl.load(out_ptr + row + col_b, mask=b_ok, other=0.0).to(tl.float32)
-                delta += tl.sum(gb * ob, axis=2)
-                if COPY_GRAD:
-                    tl.store(gcopy_ptr + site_row + col_b, gb.to(gcopy_ptr.dtype.element_ty),
-                             mask=k_ok & b_ok & live)
+            if NORM:
+                # RMSNorm's backward, n = o r with r = rsqrt(mean(o^2) + eps): do = r gw - o r^3 <gw, o> / D
+                # (gw = g * gain). Its two row sums are the sums of per-head ones, which also give delta =
+                # <do, o> per head, so that the pass has one level of reductions before the gradient is formed.
+                gwa = ga * nw_a
+                go = tl.sum(gwa * oa, axis=2)  # [BLOCK_G, H]
+                oo = tl.sum(oa * oa, axis=2)
+                if HAS_B:
+                    gwb = gb * nw_b
+                    go += tl.sum(gwb * ob, axis=2)
+                    oo += tl.sum(ob * ob, axis=2)
+                rn = 1.0 / tl.sqrt(tl.sum(tl.sum(oo, axis=1), axis=0) / D + norm_eps)
+                k3 = rn * rn * rn * tl.sum(tl.sum(go, axis=1), axis=0) / D
+                delta = rn * go - k3 * oo
+                # the gain's gradient takes the normalised row as the forward rounded it
+                dnw_a += tl.where(live, ga, 0.0) * (oa * rn).to(out_ptr.dtype.element_ty).to(tl.float32)
+                ga = rn * gwa - k3 * oa
+                if HAS_B:
+                    dnw_b += tl.where(live, gb, 0.0) * (ob * rn).to(out_ptr.dtype.element_ty).to(tl.float32)
+                    gb = rn * gwb - k3 * ob
+            else:
+                delta = tl.sum(ga * oa, axis=2)  # [BLOCK_G, H]
+                if HAS_B:
+                    delta += tl.sum(gb * ob, axis=2)
+            if COPY_GRAD:
+                tl.store(gcopy_ptr + site_row + col_a, ga.to(gcopy_ptr.dtype.element_ty), mask=k_ok & live)
+                if HAS_B:
+                    tl.store(gcopy_ptr + site_row + col_b, gb.to(gcopy_ptr.dtype.element_ty), mask=k_ok & b_ok & live)
             tl.store(delta_ptr + kh, delta, mask=kh_ok & live)
         else:
             delta = tl.load(delta_ptr + kh, mask=kh_ok, other=0.0)
@@ -358,11 +442,15 @@ def _sites_bwd_kernel(
             if HAS_B:
                 dqg_b += rdz * xb
 
+    part = dqg_part_ptr + pid.to(tl.int64) * (BLOCK_G + NORM) * D
     if WRITE_DQG:
-        part = dqg_part_ptr + pid.to(tl.int64) * BLOCK_G * D
         tl.store(part + k * D + col_a, dqg_a)
         if HAS_B:
             tl.store(part + k * D + col_b, dqg_b, mask=b_ok & (k >= 0))
+    if NORM:
+        tl.store(part + BLOCK_G * D + k * D + col_a, dnw_a)
+        if HAS_B:
+            tl.store(part + BLOCK_G * D + k * D + col_b, dnw_b, mask=b_ok & (k >= 0))
 
 
 @triton.jit(do_not_specialize=["P"])
@@ -619,6 +707,14 @@ ROW_WARPS: int | None = None
 # 1.28 and 0.70 ms with 2 stages and no cap (3 stages 1.32 and 0.71, 1 stage 1.53 and 0.70).
 ROW_BWD_CONFIG: dict[tuple[int, int], tuple[tuple[int, int], tuple[int, int]]] = {(1280, 8): ((96, 2), (128, 3))}
 ROW_BWD_DEFAULT = (0, 2)
+# The same for the sites whose sublayer's pre-norm the prologue's backward takes in (``Norm``, where
+# ``fused.FOLD_NORMS`` says). Measured on the H200 for an earlier form of the kernel, whose norm took two
+# levels of row sums (benchmarks/bench_kernels.py --norms, a step's calls, docs/benchmarks.md "seventeenth
+# round"): it waited on its sums rather than on memory, and 3 stages without a cap were the fastest of 1-3
+# stages and caps of 128 and 160 at d = 1024 and 1280 (at paper1b 2.04 ms for the prologues and 3.42 for the
+# partial sums' backward, against 2.36 / 3.69 with the table's caps and 1.27 / 2.47 without the norm).
+ROW_BWD_NORM_CONFIG: dict[tuple[int, int], tuple[tuple[int, int], tuple[int, int]]] = {}
+ROW_BWD_NORM_DEFAULT = (0, 3)
 # When set (benchmarks): a cap on every row kernel's registers, the backward's stages.
 ROW_MAXNREG: int | None = None
 ROW_BWD_STAGES: int | None = None
@@ -665,6 +761,38 @@ def _history_config(kind: str, block_g: int, device: torch.device) -> tuple[int,
     return block_n, {"num_warps": warps, "STAGES": stages, "SOURCES": sources}
 
 
+class Norm(NamedTuple):
+    """A sublayer's pre-norm (the decoder's RMSNorm) folded into a routing kernel: its gain ``weight`` (d,)
+    fp32, ``eps``, and where the forward writes the normalised output (``out``, (N, d)); in the backward,
+    where the gain's gradient is added (``grad``, (d,) fp32; None in the forward)."""
+
+    weight: Tensor
+    eps: float
+    out: Tensor | None = None
+    grad: Tensor | None = None
+
+
+def _norm_args(norm: Norm | None, placeholder: Tensor, out_placeholder: Tensor) -> tuple[Tensor, Tensor]:
+    if norm is None:
+        return placeholder, out_placeholder
+    return norm.weight, norm.out
+
+
+def norm_rows(x: Tensor, norm: Norm) -> None:
+    """Write the pre-norm of ``x`` (N, d), contiguous, to ``norm.out``: ``(x * rsqrt(mean(x^2) + eps))``
+    rounded to x's dtype, times the gain, as the decoder's RMSNorm computes it (for a site whose output no
+    routing kernel of its own writes: the shared pass's, which holds one head of a row at a time)."""
+    N, d = x.shape
+    if N:
+        block_d = triton.next_power_of_2(d)
+        tokens, warps = WRITE_SLOT_CONFIG or (max(1, 2048 // block_d), 4)
+        meta = {"D": d, "BLOCK_D": block_d, "BLOCK_T": tokens}
+        if x.device.type != "cpu":
+            meta["num_warps"] = warps
+        launch(_norm_rows_kernel, (triton.cdiv(N, tokens),), (x, norm.weight, norm.out, N, norm.eps), meta,
+               x.device)
+
+
 # write_slot: tokens a program and warps, when set (benchmarks); else as many tokens as make 2,048 channels
 # (4 KB of a bf16 buffer), 4 warps. Measured on the H200: at d = 512 four tokens 0.261 ms a step against
 # 0.303 for one (75 against 65 % of copy); at d = 1024 and 1280, 1 to 8 tokens a program within 4 %.
@@ -689,7 +817,8 @@ def write_slot(source: Tensor, slot: Tensor, rms: Tensor, eps: float, addend: Te
 
 def sites_forward(sources: Tensor, qg: Tensor, num_heads: int, eps: float, out: Tensor, rest: Tensor | None,
                   lse: Tensor, init: Tensor | None = None, rms: Tensor | None = None,
-                  addend: Tensor | None = None, sum_out: Tensor | None = None) -> None:
+                  addend: Tensor | None = None, sum_out: Tensor | None = None,
+                  norm: "Norm | None" = None) -> None:
     """Route ``sources`` (S, N, d), contiguous, for the G sites whose fused query·key-gain rows are ``qg``
     (G, d) fp32, a whole row at a time (a merge of one site with at most MERGE_MAX_S sources, at the shapes in
     MERGE_CONFIG, in ``_merge_fwd_kernel``; else one token a program). Writes site 0's normalised output to
@@ -698,25 +827,29 @@ def sites_forward(sources: Tensor, qg: Tensor, num_heads: int, eps: float, out: 
     first (in place).
     ``rms`` (S, N): the sources' RMS statistics, if known (else reduced from the rows). With ``addend``
     (N, d) and ``sum_out`` (N, d), both contiguous, and one source: the source routed is ``sources[0] +
-    addend``, rounded to ``sum_out``'s dtype and written there."""
+    addend``, rounded to ``sum_out``'s dtype and written there. With ``norm`` (one site) the output's
+    pre-norm is written to ``norm.out`` as well."""
     S, N, d = sources.shape
     G = qg.shape[0]
     if (addend is None) != (sum_out is None) or (addend is not None and (S != 1 or rms is not None)):
         raise ValueError("sites_forward: addend and sum_out go together, with one source and no rms")
+    if norm is not None and G != 1:
+        raise ValueError("sites_forward: a pre-norm is written for one site only")
     if N == 0:
         return
     if init is not None and G == 1 and 1 <= S <= MERGE_MAX_S and (d, num_heads) in MERGE_CONFIG:
-        _merge_forward(sources, qg, num_heads, eps, out, lse, init, rms, addend, sum_out)
+        _merge_forward(sources, qg, num_heads, eps, out, lse, init, rms, addend, sum_out, norm)
         return
     meta = {**head_meta(d, num_heads, has_b=True), "BLOCK_G": _block_g(G), "HAS_INIT": init is not None,
-            "USE_RMS": rms is not None, "ADD": addend is not None}
+            "USE_RMS": rms is not None, "ADD": addend is not None, "NORM": norm is not None}
     if sources.device.type != "cpu":
         meta["num_warps"] = _num_warps(d, num_heads, meta["BLOCK_G"])
         if ROW_MAXNREG:
             meta["maxnreg"] = ROW_MAXNREG
     args = (sources, rms if rms is not None else qg, qg, init if init is not None else out, out,
             rest if rest is not None else out, lse, addend if addend is not None else out,
-            sum_out if sum_out is not None else out, N, S, G, N * d, eps)
+            sum_out if sum_out is not None else out, *_norm_args(norm, qg, out), N, S, G, N * d, eps,
+            norm.eps if norm is not None else 0.0)
     launch(_sites_fwd_kernel, (N,), args, meta, sources.device)
 
 
@@ -733,14 +866,16 @@ MERGE_CONFIG: dict[tuple[int, int], tuple[int, int]] = {(1280, 8): (4, 2)}
 
 
 def _merge_forward(sources: Tensor, qg: Tensor, num_heads: int, eps: float, out: Tensor, lse: Tensor, init: Tensor,
-                   rms: Tensor | None, addend: Tensor | None, sum_out: Tensor | None) -> None:
+                   rms: Tensor | None, addend: Tensor | None, sum_out: Tensor | None, norm: "Norm | None") -> None:
     S, N, d = sources.shape
-    meta = {**head_meta(d, num_heads, has_b=True), "S": S, "USE_RMS": rms is not None, "ADD": addend is not None}
+    meta = {**head_meta(d, num_heads, has_b=True), "S": S, "USE_RMS": rms is not None, "ADD": addend is not None,
+            "NORM": norm is not None}
     warps, meta["STAGES"] = MERGE_CONFIG[d, num_heads]
     if sources.device.type != "cpu":
         meta["num_warps"] = warps
     args = [sources, rms if rms is not None else qg, qg, init, out, lse, addend if addend is not None else out,
-            sum_out if sum_out is not None else out, N, N * d, eps, 1]
+            sum_out if sum_out is not None else out, *_norm_args(norm, qg, out), N, N * d, eps,
+            norm.eps if norm is not None else 0.0, 1]
     programs = persistent_programs(_merge_fwd_kernel, args, meta, sources.device, N)
     args[-1] = triton.cdiv(N, programs)
     launch(_merge_fwd_kernel, (programs,), tuple(args), meta, sources.device)
@@ -806,7 +941,7 @@ def history_forward(sources: Tensor, rms: Tensor, qg: Tensor, num_heads: int, ou
 def sites_backward(sources: Tensor, grad_sources: Tensor, base: Tensor | None, qg: Tensor, num_heads: int,
                    eps: float, grad_out: Tensor, lse: Tensor, delta: Tensor, out: Tensor | None = None,
                    grad_copy: Tensor | None = None, record: tuple[Tensor, int] | None = None,
-                   dqg: Tensor | None = None) -> Tensor | None:
+                   dqg: Tensor | None = None, norm: Norm | None = None) -> Tensor | None:
     """Gradients of ``sources`` (S, N, d) summed over G sites, a whole row per program, written to
     ``grad_sources`` (same layout), plus ``base`` if given (same layout; ``grad_sources`` itself adds in
     place). The sites' ``qg`` gradients are added to ``dqg`` (G, d) fp32 if given; else returned as the
@@ -819,17 +954,25 @@ def sites_backward(sources: Tensor, grad_sources: Tensor, base: Tensor | None, q
     the device (the site's output-gradient offset in the step's ``grad_rows.GradRows``). S may be 0: then
     only that prologue runs. S is compiled into the kernel (its sources unrolled), so each source count is a
     kernel of its own; training takes 0 and 1.
+
+    With ``norm`` (one site, ``out`` and ``grad_copy`` given, ``dqg`` too if S > 0): ``grad_out`` is the
+    gradient of the site's output after the sublayer's pre-norm; the output's own gradient is made from it
+    in the pass, used for the rest and written to ``grad_copy`` (which may be ``grad_out`` itself), and the
+    gain's gradient is added to ``norm.grad``.
     """
     S, N, d = sources.shape
     G = qg.shape[0]
     block_g = _block_g(G)
+    if norm is not None and (G != 1 or out is None or grad_copy is None or (S > 0 and dqg is None)):
+        raise ValueError("sites_backward: a pre-norm's backward takes one site, its output, a grad_copy and dqg")
     if N == 0:
         return None if S == 0 or dqg is not None else torch.zeros((1, block_g, d), dtype=torch.float32,
                                                                    device=sources.device)
     meta = {**head_meta(d, num_heads, has_b=True), "BLOCK_G": block_g, "ACCUMULATE": base is not None,
             "COMPUTE_DELTA": out is not None, "COPY_GRAD": grad_copy is not None, "RECORD": record is not None,
-            "WRITE_DQG": S > 0, "S": S}
-    cap, meta["STAGES"] = ROW_BWD_CONFIG.get((d, num_heads), (ROW_BWD_DEFAULT,) * 2)[S > 0]
+            "WRITE_DQG": S > 0, "NORM": norm is not None, "S": S}
+    table, default = (ROW_BWD_CONFIG, ROW_BWD_DEFAULT) if norm is None else (ROW_BWD_NORM_CONFIG, ROW_BWD_NORM_DEFAULT)
+    cap, meta["STAGES"] = table.get((d, num_heads), (default,) * 2)[S > 0]
     if ROW_BWD_STAGES:
         meta["STAGES"] = ROW_BWD_STAGES
     if sources.device.type != "cpu":
@@ -837,19 +980,43 @@ def sites_backward(sources: Tensor, grad_sources: Tensor, base: Tensor | None, q
         if ROW_MAXNREG or cap:
             meta["maxnreg"] = ROW_MAXNREG or cap
     table, value = record if record is not None else (delta, 0)
+    rows = block_g + (norm is not None)  # each program's partial sums: the qg ones, then the gain's
     args = [sources, grad_sources, base if base is not None else grad_sources, qg, grad_out, lse, delta,
             out if out is not None else grad_out, grad_copy if grad_copy is not None else grad_out, table,
-            torch.empty((1, block_g, d), dtype=torch.float32, device=sources.device), N, G, N * d, eps, 1, value]
+            torch.empty((1, rows, d), dtype=torch.float32, device=sources.device),
+            norm.weight if norm is not None else qg, N, G, N * d, eps, norm.eps if norm is not None else 0.0, 1,
+            value]
     programs = persistent_programs(_sites_bwd_kernel, args, meta, sources.device, N)
-    partials = torch.empty((programs if S else 1, block_g, d), dtype=torch.float32, device=sources.device)
-    args[10], args[15] = partials, triton.cdiv(N, programs)
+    partials = torch.empty((programs if S or norm is not None else 1, rows, d), dtype=torch.float32,
+                           device=sources.device)
+    args[10], args[17] = partials, triton.cdiv(N, programs)
     launch(_sites_bwd_kernel, (programs,), tuple(args), meta, sources.device)
+    if norm is not None:
+        if S:  # both sums in one launch where the two rows they go to are one stride apart
+            both = _rows_of(dqg, norm.grad)
+            if both is not None:
+                add_row_sums(partials, both)
+                return None
+            add_row_sums(partials[:, :1], dqg)
+        add_row_sums(partials[:, block_g:], norm.grad.view(1, d))
+        return None
     if not S:
         return None
     if dqg is None:
         return partials
     add_row_sums(partials[:, :G], dqg)
     return None
+
+
+def _rows_of(first: Tensor, second: Tensor) -> Tensor | None:
+    """``first`` (1, d) and ``second`` (d,) fp32 as one (2, d) view, if they lie in one storage a positive
+    whole number of rows' stride apart; else None."""
+    if first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr() or second.stride(-1) != 1:
+        return None
+    gap = second.storage_offset() - first.storage_offset()
+    if gap <= 0:
+        return None
+    return first.as_strided((2, first.shape[-1]), (gap, 1))
 
 
 # add_row_sums: rows a tile, channels a program, warps, pipeline stages. Its input is a persistent kernel's

@@ -148,8 +148,11 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
 
     def forward(self, x: Tensor | tuple[Tensor, Tensor, Tensor], cos: Tensor, sin: Tensor,
-                cache: KVCache | None = None, layer: int = 0) -> Tensor:
-        if isinstance(x, tuple):
+                cache: KVCache | None = None, layer: int = 0, normed: Tensor | None = None) -> Tensor:
+        """``normed``: ``self.norm(x)``, where the residual computed it (``Residual.read_with_norm``)."""
+        if normed is not None:
+            hq = hk = hv = normed
+        elif isinstance(x, tuple):
             # A multiway residual (MUDDFormer) feeds queries, keys and values from separate streams: each
             # is normalised on its own (its own RMS), through the one gain, which the projection after it
             # would absorb anyway.
@@ -194,8 +197,9 @@ class MLP(nn.Module):
         self.up = nn.Linear(cfg.d_model, cfg.ffn, bias=False)
         self.down = nn.Linear(cfg.ffn, cfg.d_model, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        h = self.norm(x)
+    def forward(self, x: Tensor, normed: Tensor | None = None) -> Tensor:
+        """``normed``: ``self.norm(x)``, where the residual computed it (``Residual.read_with_norm``)."""
+        h = self.norm(x) if normed is None else normed
         return self.down(F.silu(self.gate(h)) * self.up(h))
 
 
@@ -277,8 +281,9 @@ class Decoder(nn.Module):
             cos, sin = self.rope_cos[past:end], self.rope_sin[past:end]
         state = self.residual.start(x)
         for site, layer in enumerate(self.sublayers):
-            x = self.residual.read(state, site)
-            out = layer(x, cos, sin, cache, site // 2) if isinstance(layer, Attention) else layer(x)
+            # A residual kind may compute the sublayer's pre-norm in its own kernels (normed; else None).
+            x, normed = self.residual.read_with_norm(state, site, layer.norm)
+            out = layer(x, cos, sin, cache, site // 2, normed=normed) if isinstance(layer, Attention) else layer(x, normed=normed)
             self.residual.write(state, site, out)
         h = self.residual.finish(state)
         if static:

@@ -4,12 +4,14 @@ A variant decides what each sublayer reads and how its output is kept. The decod
 
     state = residual.start(x0)                 # x0: token embeddings (B, T, d)
     for site in range(2 * n_layers):           # attention, MLP, attention, MLP, ...
-        x = residual.read(state, site)         # the sublayer's input
-        residual.write(state, site, sublayer(x))
+        x, normed = residual.read_with_norm(state, site, sublayer.norm)  # the sublayer's input
+        residual.write(state, site, sublayer(x, normed=normed))
     h = residual.finish(state)                 # what the output norm sees
 
 ``read`` returns one tensor (B, T, d), or for an attention site of a multiway variant (MUDDFormer) a
-triple (queries', keys', values' input), which the attention normalises one by one.
+triple (queries', keys', values' input), normalised one by one. ``read_with_norm`` returns it with the
+sublayer's pre-norm of it, where the variant computes that norm in its own kernels (MHAR's fused path
+does: ``fused.py``), or None, the sublayer's to compute.
 
 A variant is one module: its class implements ``Residual`` and carries, as class attributes, what the
 rest of the package asks of a kind without building a model: its settings (a small dataclass whose
@@ -80,6 +82,12 @@ class Residual(nn.Module):
 
     def read(self, state: Any, site: int) -> Tensor | tuple[Tensor, Tensor, Tensor]:
         raise NotImplementedError
+
+    def read_with_norm(self, state: Any, site: int, norm: nn.Module
+                       ) -> tuple[Tensor | tuple[Tensor, Tensor, Tensor], Tensor | None]:
+        """``read``'s result, and ``norm`` (the sublayer's pre-norm) of it where the variant computes it
+        itself; None: the sublayer applies its norm."""
+        return self.read(state, site), None
 
     def write(self, state: Any, site: int, out: Tensor) -> None:
         raise NotImplementedError

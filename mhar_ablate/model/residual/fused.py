@@ -32,6 +32,11 @@ for backward). Here, per forward pass:
   the writer of slot 0, whose backward runs last; the slots' share of them is one matrix product over
   every slot's kept ``dz * r`` there (``kernels.column.query_grads``).
 
+The sublayers' pre-norms can be computed here too (``read_with_norm``, where ``FOLD_NORMS`` says): the site's
+merge writes its input's RMSNorm beside the input (a site that merges nothing takes a row pass of its own),
+and its backward prologue takes the normed input's gradient, makes the input's from it and sums the norm
+gain's gradient, so that the sublayer's compiled graph reads neither.
+
 Order in backward: a slot's gradient is complete only after every site that reads it has run its backward.
 Autograd knows nothing of the buffer, so each slot write returns a small dependency token that the next
 write and the sites consume: every site that reads slot j is thereby downstream of slot j's writer.
@@ -47,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 ROUTING_RANGE = "mhar::routing"  # profiler range around routing work, forward and backward
 # Sites per shared pass over the history. Measured on the H200 at paper350m (docs/benchmarks.md): the
@@ -59,6 +64,18 @@ DEFAULT_SITES_PER_PASS = 4
 # cut to ROW_PASS_MAX_SITES.
 ROW_PASS_MAX_SITES = 2
 HEAD_TILED_MAX_WIDTH = 256
+
+
+# Whether the sublayers' pre-norms are computed in the sites' kernels (``FusedState.read_with_norm``) rather
+# than in the sublayers' compiled graphs. Off: measured on the H200 (docs/benchmarks.md, "seventeenth round"),
+# the folded step at paper1b took its norms' 2.5 ms of compiled kernels away but added 2.2 ms to the routing
+# kernels (the backward rows, with the norm's row sums, ran at 46-50 % of copy against 75-85 % without), and
+# the backward rows' present form (one level of sums) is not yet measured there. Tests and benchmarks turn it on.
+FOLD_NORMS = False
+
+
+def fold_norms() -> bool:
+    return FOLD_NORMS
 
 
 def routing_range():
@@ -155,6 +172,16 @@ class FusedState:
     # -------------------------------------------------------------------------------- forward
 
     def read(self, site: int) -> Tensor:
+        """The site's input."""
+        return self._read(site, None)[0]
+
+    def read_with_norm(self, site: int, norm: nn.Module) -> tuple[Tensor, Tensor]:
+        """The site's input and that input after ``norm`` (the sublayer's RMSNorm), made in the site's own
+        kernels, forward and backward, instead of the sublayer's. The gradient reaches the routing through the
+        normalised input; the input itself is handed on for what looks at it (hooks) and takes none."""
+        return self._read(site, norm)
+
+    def _read(self, site: int, norm: nn.Module | None) -> tuple[Tensor, Tensor | None]:
         _refuse_recompute(self.token)
         plan = self.plans[site]
         partial, pending = self.partial, self.pending
@@ -164,17 +191,18 @@ class FusedState:
             partial, pending = partial + pending, None  # (dtypes the kernels do not add: as torch adds)
         if self.res.recording():
             self.res.store_weights(site, self._stacked(plan, partial if pending is None else partial + pending))
+        weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
         if partial is None:
-            out = _RouteSite.apply(self.token, self, site)
+            out, raw = _RouteSite.apply(self.token, self, site, weight, eps)
         else:
-            out, self.partial = _RoutePartial.apply(self.token, partial, pending, self, site)
+            out, self.partial, raw = _RoutePartial.apply(self.token, partial, pending, self, site, weight, eps)
             self.pending = None
         if site == self.res.n_sites - 1:
             # The forward is over. The token and the partial sum lead into the autograd graph, whose nodes
             # hold this state: drop them, or the cycle (which runs through C++ nodes that Python's
             # collector cannot see) would keep the buffers alive after backward.
             self.token = self.partial = self.pending = self.group = None
-        return out
+        return (out, None) if norm is None else (raw, out)
 
     def write(self, site: int, out: Tensor) -> None:
         _refuse_recompute(self.token)
@@ -200,6 +228,7 @@ class FusedState:
         (seen on the CPU). Its buffers (the sources, the sites' output gradients, dz * r: about 2 GB at
         ``paper350m``) would then still be allocated during the next steps."""
         self.buffer = self.rms = self.grads = self.zeros = self.delta = self.dzr = self.dqg = self.lse = self.qg = None
+        self.param_grads = self.dnorm = None
         self.held = []
         self.carry = None
         self.released = True
@@ -223,11 +252,12 @@ class FusedState:
         s = self.buffer[:n].view(n, *self.shape)
         return s if partial is None else torch.cat([s, partial.to(s.dtype).unsqueeze(0)])
 
-    def route_forward(self, site: int, partial: Tensor | None, addend: Tensor | None = None
-                      ) -> tuple[Tensor, Tensor | None]:
-        """The site's input (B, T, d), and the block partial sum it read: ``partial`` itself, or with
-        ``addend`` (the block's last output) their sum, made in the site's own pass."""
-        from ...kernels.history import history_forward, sites_forward
+    def route_forward(self, site: int, partial: Tensor | None, addend: Tensor | None = None,
+                      norm: Tensor | None = None, norm_eps: float = 0.0) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The site's input (B, T, d), the block partial sum it read (``partial`` itself, or with ``addend``,
+        the block's last output, their sum, made in the site's own pass), and with ``norm`` (a pre-norm's
+        gain) the input after that norm, made in the pass that writes the input where one does."""
+        from ...kernels.history import Norm, history_forward, norm_rows, sites_forward
 
         plan = self.plans[site]
         N, d, H, eps = self.N, self.d, self.res.num_heads, self.res.eps
@@ -251,18 +281,24 @@ class FusedState:
         if addend is not None:
             summed = torch.empty_like(partial)
             flat = addend.reshape(N, d).contiguous()
+        pre = None
+        if norm is not None:
+            weight = norm if norm.dtype == torch.float32 else norm.float()
+            pre = Norm(weight.contiguous(), norm_eps, torch.empty((N, d), dtype=self.dtype, device=self.buffer.device))
         if extras.shape[0] == 0:
             out = state
+            if pre is not None:
+                norm_rows(out, pre)
         else:
             out = torch.empty((N, d), dtype=self.dtype, device=self.buffer.device)
             # In full grouping the extras are slots, whose statistics are known; a block's partial sum is not.
             rms = self.rms[plan.history:plan.history + plan.k] if self.res.block_sublayers == 1 else None
             sites_forward(extras, group.qg[plan.k:plan.k + 1], H, eps, out, None, group.lse[plan.k:plan.k + 1],
                           init=state.unsqueeze(0), rms=rms, addend=flat,
-                          sum_out=None if addend is None else summed.view(N, d))
+                          sum_out=None if addend is None else summed.view(N, d), norm=pre)
         if plan.k == plan.size - 1:  # every site of the group has merged: drop the partial states
             group.first = group.rest = None
-        return out.view(self.shape), summed
+        return out.view(self.shape), summed, None if pre is None else pre.out.view(self.shape)
 
     def _extras(self, plan: SitePlan, partial: Tensor | None) -> Tensor:
         """The site's sources beyond the history, (S, N, d): slots written inside its group, or the block's
@@ -286,7 +322,10 @@ class FusedState:
             else:
                 self.grads = GradRows.stacked(torch.empty((n, self.N, self.d), dtype=self.dtype, device=dev))
             self.delta = torch.empty((n, self.N, self.res.num_heads), dtype=torch.float32, device=dev)
-            self.dqg = torch.zeros((n, self.d), dtype=torch.float32, device=dev)
+            # The routing parameters' summed gradient (``dqg``) and the folded pre-norms' gains' (``dnorm``),
+            # a site a row, in one tensor so that a site's backward adds its row of each in one launch.
+            self.param_grads = torch.zeros((2, n, self.d), dtype=torch.float32, device=dev)
+            self.dqg, self.dnorm = self.param_grads[0], self.param_grads[1]
             # Every slot's dz * r, (H, S_j, N) one after the other, for the query gradients' one product
             # over all slots (``parameter_grads``).
             from ...kernels.column import dzr_rows
@@ -312,10 +351,13 @@ class FusedState:
         return dzr_block(self.dzr, slot, self.res.n_sites, self.res.block_sublayers, self.res.num_heads, self.N)
 
     def route_backward(self, site: int, grad_out: Tensor, out: Tensor, partial: Tensor | None,
-                       base: Tensor | None = None) -> Tensor | None:
+                       base: Tensor | None = None, norm: Tensor | None = None, norm_eps: float = 0.0
+                       ) -> tuple[Tensor | None, Tensor | None]:
         """Keep the site's output gradient and delta for the slots' backward; return the gradient of the
-        block partial sum the site read, if any, plus ``base`` (the gradient it has from the later sums)."""
-        from ...kernels.history import sites_backward
+        block partial sum the site read, if any, plus ``base`` (the gradient it has from the later sums), and
+        with ``norm`` (the folded pre-norm's gain; ``grad_out`` is then the normalised input's gradient) the
+        gain's gradient."""
+        from ...kernels.history import Norm, sites_backward
 
         self._refuse_released()
         self._backward_buffers()
@@ -327,16 +369,22 @@ class FusedState:
         else:
             g, offset = self._hold(site, g)
             keep = {"record": (self.grads.offsets[rows], offset)}
+            if norm is not None:  # the output's gradient is made from the norm's in place, where it is read
+                keep["grad_copy"] = g.unsqueeze(0)
+        pre = None
+        if norm is not None:
+            pre = Norm(norm if norm.dtype == torch.float32 else norm.float(), norm_eps, grad=self.dnorm[site])
         extras = self._extras(self.plans[site], partial) if partial is not None else self.buffer[:0]
         grad_extras = torch.empty_like(extras)
         if base is not None:
             base = base.to(extras.dtype).reshape(1, N, d).contiguous()
         sites_backward(extras, grad_extras, base, self.qg[rows], H, eps, g.unsqueeze(0), self.lse[rows],
-                       self.delta[rows], out=out.reshape(N, d), dqg=self.dqg[rows], **keep)
+                       self.delta[rows], out=out.reshape(N, d), dqg=self.dqg[rows], norm=pre, **keep)
         self.ran[site] = True
+        grad_norm = None if norm is None else self.dnorm[site].to(norm.dtype)
         if partial is None:
-            return None
-        return grad_extras.view(self.shape).to(partial.dtype)
+            return None, grad_norm
+        return grad_extras.view(self.shape).to(partial.dtype), grad_norm
 
     def _hold(self, site: int, grad: Tensor) -> tuple[Tensor, int]:
         """The site's output gradient (N, d) as the column passes will read it, held until they have, and its
@@ -436,21 +484,29 @@ class _WriteSlot(torch.autograd.Function):
 
 
 class _RouteSite(torch.autograd.Function):
-    """One routing site that reads slots only: its input, the mixture of the sources it sees."""
+    """One routing site that reads slots only: its input, the mixture of the sources it sees; with ``norm``
+    (a pre-norm's gain) that input after the norm."""
 
     @staticmethod
-    def forward(ctx, token: Tensor, state: FusedState, site: int) -> Tensor:
-        out, _ = state.route_forward(site, None)
-        ctx.state, ctx.site = state, site
-        ctx.save_for_backward(out)
-        return out
+    def forward(ctx, token: Tensor, state: FusedState, site: int, norm: Tensor | None, norm_eps: float
+                ) -> tuple[Tensor, Tensor]:
+        ctx.set_materialize_grads(False)
+        out, _, normed = state.route_forward(site, None, norm=norm, norm_eps=norm_eps)
+        ctx.state, ctx.site, ctx.norm_eps = state, site, norm_eps
+        ctx.save_for_backward(out, norm)
+        if normed is None:
+            return out, out.new_empty(0)
+        ctx.mark_non_differentiable(out)  # with a norm, the input's gradient comes through its normed form
+        return normed, out
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        (out,) = ctx.saved_tensors
+    def backward(ctx, grad_out: Tensor | None, _grad_raw: None):
+        out, norm = ctx.saved_tensors
+        if grad_out is None:  # (the input reached the loss only through what autograd does not see)
+            grad_out = torch.zeros_like(out)
         with routing_range():
-            ctx.state.route_backward(ctx.site, grad_out, out, None)
-        return grad_out.new_empty(0), None, None
+            _, grad_norm = ctx.state.route_backward(ctx.site, grad_out, out, None, norm=norm, norm_eps=ctx.norm_eps)
+        return grad_out.new_empty(0), None, None, grad_norm, None
 
 
 class _RoutePartial(torch.autograd.Function):
@@ -459,19 +515,23 @@ class _RoutePartial(torch.autograd.Function):
     gradient from the later sites arrives with the input's and is added in the site's backward pass."""
 
     @staticmethod
-    def forward(ctx, token: Tensor, partial: Tensor, addend: Tensor | None, state: FusedState, site: int
-                ) -> tuple[Tensor, Tensor]:
+    def forward(ctx, token: Tensor, partial: Tensor, addend: Tensor | None, state: FusedState, site: int,
+                norm: Tensor | None, norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
         ctx.set_materialize_grads(False)
-        out, summed = state.route_forward(site, partial, addend)
-        ctx.state, ctx.site, ctx.added = state, site, addend is not None
-        ctx.save_for_backward(out, summed)
-        return out, summed
+        out, summed, normed = state.route_forward(site, partial, addend, norm=norm, norm_eps=norm_eps)
+        ctx.state, ctx.site, ctx.added, ctx.norm_eps = state, site, addend is not None, norm_eps
+        ctx.save_for_backward(out, summed, norm)
+        if normed is None:
+            return out, summed, out.new_empty(0)
+        ctx.mark_non_differentiable(out)  # with a norm, the input's gradient comes through its normed form
+        return normed, summed, out
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor | None, grad_summed: Tensor | None):
-        out, summed = ctx.saved_tensors
+    def backward(ctx, grad_out: Tensor | None, grad_summed: Tensor | None, _grad_raw: None):
+        out, summed, norm = ctx.saved_tensors
         if grad_out is None:  # the site's input did not reach the loss, only the sum after it
             grad_out = torch.zeros_like(out)
         with routing_range():
-            grad = ctx.state.route_backward(ctx.site, grad_out, out, summed, base=grad_summed)
-        return grad_out.new_empty(0), grad, grad if ctx.added else None, None, None
+            grad, grad_norm = ctx.state.route_backward(ctx.site, grad_out, out, summed, base=grad_summed, norm=norm,
+                                                       norm_eps=ctx.norm_eps)
+        return grad_out.new_empty(0), grad, grad if ctx.added else None, None, None, grad_norm, None

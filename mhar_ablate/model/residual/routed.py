@@ -29,7 +29,7 @@ from ...errors import UsageError
 from ...kernels.reference import routing_weights
 from ...ops import mhar_route
 from . import Residual
-from .fused import DEFAULT_SITES_PER_PASS, FusedState, fused_supported, routing_range
+from .fused import DEFAULT_SITES_PER_PASS, FusedState, fold_norms, fused_supported, routing_range
 
 
 @dataclass
@@ -156,6 +156,14 @@ class MHARResidual(Residual):
         sources = state.done if state.partial is None else [*state.done, state.partial]
         return self._route(sources, site)
 
+    def read_with_norm(self, state: RoutedState | FusedState, site: int, norm: nn.Module
+                       ) -> tuple[Tensor, Tensor | None]:
+        """On the fused path the sublayer's RMSNorm is computed in the site's own kernels: its forward
+        where the site's input is written, its backward where the input's gradient is read (``fused.py``)."""
+        if isinstance(state, FusedState) and fold_norms():
+            return _fused_read_with_norm(state, site, norm)
+        return self.read(state, site), None
+
     def write(self, state: RoutedState | FusedState, site: int, out: Tensor) -> None:
         if isinstance(state, FusedState):
             return _fused_write(state, site, out)
@@ -187,6 +195,16 @@ def _fused_start(residual: MHARResidual, x0: Tensor) -> FusedState:
 def _fused_read(state: FusedState, site: int) -> Tensor:
     with routing_range():
         return state.read(site)
+
+
+@torch.compiler.disable
+def _fused_read_with_norm(state: FusedState, site: int, norm: nn.Module) -> tuple[Tensor, Tensor | None]:
+    from ..transformer import RMSNorm
+
+    with routing_range():
+        if type(norm) is RMSNorm:  # the norm the kernels compute
+            return state.read_with_norm(site, norm)
+        return state.read(site), None
 
 
 @torch.compiler.disable
