@@ -391,11 +391,13 @@ def _sites_bwd_kernel(
                 rn = 1.0 / tl.sqrt(tl.sum(tl.sum(oo, axis=1), axis=0) / D + norm_eps)
                 k3 = rn * rn * rn * tl.sum(tl.sum(go, axis=1), axis=0) / D
                 delta = rn * go - k3 * oo
-                # the gain's gradient takes the normalised row as the forward rounded it
-                dnw_a += tl.where(live, ga, 0.0) * (oa * rn).to(out_ptr.dtype.element_ty).to(tl.float32)
+                # The gain's gradient sums g * n over tokens (n unrounded: the forward's bf16 rounding of n
+                # is no function of the gain), past the last token with a factor 0.
+                rl = tl.where(live, rn, 0.0)
+                dnw_a += ga * (oa * rl)
                 ga = rn * gwa - k3 * oa
                 if HAS_B:
-                    dnw_b += tl.where(live, gb, 0.0) * (ob * rn).to(out_ptr.dtype.element_ty).to(tl.float32)
+                    dnw_b += gb * (ob * rl)
                     gb = rn * gwb - k3 * ob
             else:
                 delta = tl.sum(ga * oa, axis=2)  # [BLOCK_G, H]
