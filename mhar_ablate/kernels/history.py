@@ -103,9 +103,10 @@ def _normed(ya, yb, w_ptr, col_a, col_b, b_ok, eps, dtype: tl.constexpr, D: tl.c
     """A whole row's pre-norm as the decoder's RMSNorm computes it: ``(y * rsqrt(mean(y^2) + eps))`` rounded
     to ``dtype``, times the gain, in fp32. ``ya``/``yb``: the row's two blocks (``yb`` ignored without HAS_B;
     its padding lanes zero), the row as stored."""
-    ss = tl.sum(tl.reshape(ya * ya, [ya.numel]), axis=0)
+    qa = tl.sum(ya * ya, axis=len(ya.shape) - 1)  # per head first, as the row's other sums
     if HAS_B:
-        ss += tl.sum(tl.reshape(yb * yb, [yb.numel]), axis=0)
+        qa += tl.sum(yb * yb, axis=len(yb.shape) - 1)
+    ss = tl.sum(tl.reshape(qa, [qa.numel]), axis=0)
     r = 1.0 / tl.sqrt(ss / D + eps)
     na = (ya * r).to(dtype).to(tl.float32) * tl.load(w_ptr + col_a)
     nb = na
