@@ -89,6 +89,11 @@ def _norm_rows_kernel(src_ptr, w_ptr, dst_ptr, N, eps, D: tl.constexpr, BLOCK_D:
 
 
 @triton.jit
+def _add_pairs(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
 def _softmax_step(m, l, z):
     """One more source into running (max, sum) softmax states: the new states, the factor that rescales
     what was accumulated, and the new source's weight."""
@@ -389,8 +394,11 @@ def _sites_bwd_kernel(
                     gwb = gb * nw_b
                     go += tl.sum(gwb * ob, axis=2)
                     oo += tl.sum(ob * ob, axis=2)
-                rn = 1.0 / tl.sqrt(tl.sum(tl.sum(oo, axis=1), axis=0) / D + norm_eps)
-                k3 = rn * rn * rn * tl.sum(tl.sum(go, axis=1), axis=0) / D
+                # both row sums in one reduction across the program's warps
+                row_go, row_oo = tl.reduce((go, oo), axis=1, combine_fn=_add_pairs)
+                row_go, row_oo = tl.reduce((row_go, row_oo), axis=0, combine_fn=_add_pairs)
+                rn = 1.0 / tl.sqrt(row_oo / D + norm_eps)
+                k3 = rn * rn * rn * row_go / D
                 delta = rn * go - k3 * oo
                 # The gain's gradient sums g * n over tokens (n unrounded: the forward's bf16 rounding of n
                 # is no function of the gain), past the last token with a factor 0.
