@@ -36,8 +36,10 @@ for f in "$OUT"/*.json; do  # the verdicts, last: variant, x baseline (the round
 import json, sys
 for r in json.load(open(sys.argv[1])):
     if r.get("round_ratios"):
+        clocks = [c for pair in r.get("round_clocks_mhz", []) for c in pair if c is not None]
         print(f"{sys.argv[1].rsplit('/', 1)[-1]:>24} {r['variant']:<34} {r['ratio_to_baseline']:.4f} "
               f"({min(r['round_ratios']):.4f}-{max(r['round_ratios']):.4f}) {r['step_ms']:.2f} ms "
-              f"against {r['baseline_step_ms']:.2f}, peak x {r.get('peak_ratio_to_baseline')}")
+              f"against {r['baseline_step_ms']:.2f}, peak x {r.get('peak_ratio_to_baseline')}"
+              + (f", SM clock {min(clocks)}-{max(clocks)} MHz" if clocks else ""))
 PY
 done

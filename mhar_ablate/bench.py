@@ -26,7 +26,8 @@ captured too, and ``ratio_to_fastest_baseline`` compares every row with the base
 ``--rounds R`` makes a ratio that one call can trust to a fraction of a percent: a card's steps drift by a
 few percent from minute to minute, more than a routing change gains. The baseline stays on the GPU, and
 after each variant's rows its last step (the replayed one with ``--cuda-graph``) and the baseline's are
-timed in turn R times; the ratio is the median of the rounds' ratios (``round_ratios`` in the JSON).
+timed in turn R times; the ratio is the median of the rounds' ratios (``round_ratios`` in the JSON, with the
+SM clock after each side's steps in ``round_clocks_mhz`` where NVML answers).
 
 Without a GPU the command refuses, unless ``--device cpu`` asks for a small smoke run (tiny shapes, fp32,
 eager variants only).
@@ -322,26 +323,44 @@ def interleave(base: Training, base_row: dict, t: Training, row: dict, args: arg
     """``--rounds``: the variant's step and its baseline's, after ``--warmup`` untimed steps each, timed in
     turn (the first of each pair alternating, so that a drift of the clocks weighs on both alike). A round's
     ratio is the baseline's median step time over the variant's in that round; the row's ratio, step time
-    and tokens/s become the rounds' medians."""
+    and tokens/s become the rounds' medians. Where NVML answers, the SM clock after each side's steps of a
+    round goes to ``round_clocks_mhz`` ([variant's, baseline's] a round), to tell a card's clocks from its
+    steps when one round stands out."""
     # Untimed first, so that no timed replay is a step's first after its capture or a pause. A first round
     # can still stand out (docs/benchmarks.md, sixteenth round): the median of the rounds is the figure.
     for training in (base, t):
         _timed_steps(training.step, 0, args.warmup, device)
-    ours, theirs, ratios = [], [], []
+    ours, theirs, ratios, clocks = [], [], [], []
     loss = None
     for r in range(args.rounds):
         pair = [(t, ours), (base, theirs)]
+        clock = {}
         for training, into in pair if r % 2 == 0 else pair[::-1]:
             times, loss_r = _timed_steps(training.step, args.warmup + args.steps * (r + 1), args.steps, device)
+            clock[training is t] = sm_clock_mhz(device)
             into.append(statistics.median(times))
             if training is t:
                 loss = loss_r
         ratios.append(theirs[-1] / ours[-1])
+        clocks.append([clock[True], clock[False]])
     _record_times(row, ours, loss, tokens)  # the median of the rounds' medians
     if row["routing_ms"] is not None:
         row["rest_ms"] = round(row["step_ms"] - row["routing_ms"], 2)
     row.update(rounds=args.rounds, round_ratios=[round(x, 4) for x in ratios],
                baseline_step_ms=round(statistics.median(theirs), 2), baseline_variant=base_row["variant"])
+    if any(c is not None for pair in clocks for c in pair):
+        row["round_clocks_mhz"] = clocks
+
+
+def sm_clock_mhz(device: torch.device) -> int | None:
+    """The GPU's SM clock in MHz over NVML's last sample period (1/6 to 1 s); None off CUDA or where NVML
+    does not answer (no pynvml)."""
+    if device.type != "cuda":
+        return None
+    try:
+        return int(torch.cuda.clock_rate(device))
+    except (ImportError, RuntimeError, AttributeError, ValueError):
+        return None
 
 
 def _rounds_summary(row: dict) -> str:

@@ -174,12 +174,16 @@ def test_rounds_time_variant_and_baseline_in_turn(monkeypatch):
         return [next(clock[name]) for _ in range(n)], step(first)
 
     monkeypatch.setattr(bench, "_timed_steps", timed)
+    readings = iter([1755, 1980, 1980, 1965, 1980, 1980])  # the clock after each side's steps, in order
+    monkeypatch.setattr(bench, "sm_clock_mhz", lambda device: next(readings))
     row = _row("mhar-full-fused-compiled-graph", "mhar", True, True, None)
     row["routing_ms"] = 2.0
     args = argparse.Namespace(rounds=3, steps=2, warmup=1)
     bench.interleave(Fake("base"), {"variant": "baseline-compiled-graph"}, Fake("ours"), row, args, 1000,
                      torch.device("cpu"))
     assert order == ["warm base", "warm ours", "ours", "base", "base", "ours", "ours", "base"]
+    # [variant's, baseline's] a round, whichever side ran first
+    assert row["round_clocks_mhz"] == [[1755, 1980], [1965, 1980], [1980, 1980]]
     assert row["round_ratios"] == [0.8, 0.8, 1.0] and row["rounds"] == 3
     assert row["step_ms"] == 12.5 and row["baseline_step_ms"] == 11.0 and row["rest_ms"] == 10.5
     base = _row("baseline-compiled-graph", "baseline", True, True, 80_000.0)
@@ -197,6 +201,7 @@ def test_cpu_smoke_run_with_rounds(tmp_path):
     base, routed = json.loads(out.read_text())
     assert "rounds" not in base and routed["rounds"] == 2 and len(routed["round_ratios"]) == 2
     assert routed["baseline_variant"] == "baseline-eager" and routed["status"] == "ok"
+    assert "round_clocks_mhz" not in routed  # no clocks to read off a GPU
     with pytest.raises(UsageError, match="--rounds"):
         cmd_bench(_args("--device", "cpu", "--preset", "tiny", "--rounds", "0"))
 
