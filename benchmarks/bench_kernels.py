@@ -115,7 +115,7 @@ class Step:
         # the routing parameters' and the folded norms' gains' gradients, a site a row each, as the fused path
         # keeps them (one tensor, so that a site's backward adds both rows in one launch)
         self.param_grads = torch.zeros((2, n, d), dtype=torch.float32, device=device)
-        self.dqg, self.dnorm = self.param_grads[0], self.param_grads[1]
+        self.dqg = self.param_grads[0]
         # --norms: the sublayers' pre-norms folded into the kernels (``history.Norm``), gains away from 1
         self.norms = False
         self.gain = 1 + 0.1 * torch.randn(n, d, generator=gen, device=device)
@@ -211,7 +211,7 @@ class Step:
                     def block_bwd(s=s, partial=partial, rows=rows):
                         history.sites_backward(partial, self.grad_partial, self.out[s - 1:s], self.qg[rows], H, eps,
                                                self.grad_out[rows], self.lse[rows], self.delta[rows],
-                                               out=self.out[s], dqg=self.dqg[rows], **self.keep_grad(s, kernels))
+                                               out=self.out[s], **{"dqg": self.dqg[rows], **self.keep_grad(s, kernels)})
                         return self.grad_partial, self.delta[s], self.norm_grads[s] if self.norms else self.copy[s]
 
                     out.append((block_bwd, (5 if self.in_place(kernels) and not self.norms else 6) * U
@@ -302,9 +302,9 @@ class Step:
         in the table (the value the table holds already), or a copy; with --norms the gradient it makes from
         the normed input's, written where the fused path writes it (in place, here into a row of its own so
         that replays read the same values, or the copy)."""
-        if self.norms:
-            norm = {"norm": kernels["history"].Norm(self.gain[s], 1e-6, grad=self.dnorm[s]),
-                    "grad_copy": self.norm_grads[s:s + 1]}
+        if self.norms:  # the site's rows of the query-row and gain gradients, (2, d)
+            norm = {"norm": kernels["history"].Norm(self.gain[s], 1e-6), "grad_copy": self.norm_grads[s:s + 1],
+                    "dqg": self.param_grads[:, s]}
             if self.in_place(kernels):
                 norm["record"] = (self.table[s:s + 1], s * self.N * self.d)
             return norm

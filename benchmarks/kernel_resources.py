@@ -79,20 +79,32 @@ def registers(compiled) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def sass_loop(compiled) -> int:
-    """Instructions of the longest loop in the kernel's SASS (``cuobjdump -sass``)."""
-    return longest_loop(cuobjdump(compiled, "-sass"))
+def sass_loop(compiled) -> list[str]:
+    """The longest loop's instructions in the kernel's SASS (``cuobjdump -sass``)."""
+    return loop_instructions(cuobjdump(compiled, "-sass"))
 
 
 def longest_loop(sass: str) -> int:
     """Instructions from a backward branch's target to the branch, for the longest such loop; 0 if none."""
-    addresses = [int(m.group(1), 16) for m in re.finditer(r"^\s+/\*([0-9a-f]{4,})\*/", sass, re.M)]
-    longest = 0
-    for m in re.finditer(r"^\s+/\*([0-9a-f]{4,})\*/[^\n]*?BRA[^\n]*?(0x[0-9a-f]+)", sass, re.M):
-        at, target = int(m.group(1), 16), int(m.group(2), 16)
-        if target < at:
-            longest = max(longest, sum(target <= a <= at for a in addresses))
+    return len(loop_instructions(sass))
+
+
+def loop_instructions(sass: str) -> list[str]:
+    """The instructions from a backward branch's target to the branch, for the longest such loop."""
+    listing = [(int(m.group(1), 16), m.group(2))
+               for m in re.finditer(r"^\s+/\*([0-9a-f]{4,})\*/\s*([^\n]*)", sass, re.M)]
+    longest: list[str] = []
+    for at, text in listing:
+        m = re.search(r"BRA[^\n]*?(0x[0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < at:
+            loop = [t for a, t in listing if int(m.group(1), 16) <= a <= at]
+            longest = loop if len(loop) > len(longest) else longest
     return longest
+
+
+def barriers(loop: list[str]) -> int:
+    """``BAR`` instructions (a block-wide barrier: a reduction or a layout conversion across warps) in a loop."""
+    return sum(re.match(r"(@!?U?P\w+\s+)?BAR\b", t.strip()) is not None for t in loop)
 
 
 def loop_conversions(ttgir: str) -> int:
@@ -108,7 +120,8 @@ def row(kernel: str, d: int, config, warps: int, compiled, loop_bytes: float) ->
     loop = sass_loop(compiled)
     return {"kernel": kernel, "d": d, "config": str(config), "warps": warps, "registers": regs, "stack": stack,
             "shared bytes": compiled.metadata.shared, "conversions in loop": loop_conversions(compiled.asm["ttgir"]),
-            "loop instructions": loop, "per byte a warp": round(loop * warps / loop_bytes, 3)}
+            "barriers in loop": barriers(loop), "loop instructions": len(loop),
+            "per byte a warp": round(len(loop) * warps / loop_bytes, 3)}
 
 
 def column_rows(d: int, heads: int, configs: list[tuple], use_ptx: bool) -> list[dict]:
@@ -189,11 +202,11 @@ def group_rows(d: int, heads: int, configs: list[tuple], use_ptx: bool) -> list[
     return out
 
 
-def row_bwd_rows(d: int, heads: int, stages: list[int], norms: bool) -> list[dict]:
+def row_bwd_rows(d: int, heads: int, stages: list[int], norms: bool, warps_list: list[int]) -> list[dict]:
     """The backward row kernel (``history.sites_backward``) as training launches it: a site's prologue
     alone (S = 0) and a ``block:K`` site with its partial sum (S = 1, added to the later sums' gradient),
     with ``norms`` the sublayer's pre-norm's backward folded in, at the table's pipeline depth and at
-    ``stages``, with the table's register cap."""
+    ``stages``, with the table's register cap; and at the table's depth with ``warps_list``' warps."""
     out = []
     warps = history._num_warps(d, heads, 1)
     in_place = column.grads_in_place(d)
@@ -203,12 +216,13 @@ def row_bwd_rows(d: int, heads: int, stages: list[int], norms: bool) -> list[dic
         meta = {**head_meta(d, heads, has_b=True), "BLOCK_G": 1, "ACCUMULATE": S > 0, "COMPUTE_DELTA": True,
                 "COPY_GRAD": norms or not in_place, "RECORD": in_place, "WRITE_DQG": S > 0, "NORM": norms, "S": S}
         cap, table = configs.get((d, heads), (default,) * 2)[S]
-        for depth in [table] + [s for s in stages if s != table]:
-            fn = history._sites_bwd_kernel
-            # a token's rows: the output gradient and the output, and with S = 1 the sum and the later gradient
-            loop_bytes = (2 + 2 * S) * d * 2
-            compiled = compile_for_sm90(fn, {**meta, "STAGES": depth}, warps, maxnreg=cap or None)
-            out.append(row(f"{fn.fn.__name__} (S = {S})", d, (depth, cap), warps, compiled, loop_bytes))
+        fn = history._sites_bwd_kernel
+        # a token's rows: the output gradient and the output, and with S = 1 the sum and the later gradient
+        loop_bytes = (2 + 2 * S) * d * 2
+        for depth, w in [(depth, warps) for depth in [table] + [s for s in stages if s != table]] + [
+                (table, w) for w in warps_list if w != warps]:
+            compiled = compile_for_sm90(fn, {**meta, "STAGES": depth}, w, maxnreg=cap or None)
+            out.append(row(f"{fn.fn.__name__} (S = {S})", d, (depth, cap), w, compiled, loop_bytes))
     return out
 
 
@@ -262,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--query-configs", default="",
                    help="'SITES,TOKENS,WARPS,STAGES,PER_SM;...' for the query gradients, beside the table's")
     p.add_argument("--row-stages", default="1,3", help="'STAGES,...': the backward row kernel's pipeline depths")
+    p.add_argument("--row-warps", default="", help="'WARPS,...': the backward row kernel's warps a program, beside "
+                   "the rule's (at the table's depth)")
     p.add_argument("--merge-stages", default="2,4", help="'STAGES,...': the merges' kernel's pipeline depths")
     p.add_argument("--sites-per-pass", type=int, default=4)
     p.add_argument("--portable", action="store_true", help="the interpreter's forms instead of the inline PTX")
@@ -288,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         "group": lambda d: group_rows(d, args.heads, group_configs, ptx_forms),
         "query": lambda d: query_rows(d, args.heads, query_configs),
         "row": lambda d: row_bwd_rows(d, args.heads, [int(v) for v in args.row_stages.split(",") if v.strip()],
-                                      norms),
+                                      norms, [int(v) for v in args.row_warps.split(",") if v.strip()]),
         "merge": lambda d: merge_rows(d, args.heads, [int(v) for v in args.merge_stages.split(",") if v.strip()],
                                       norms),
     }

@@ -29,3 +29,12 @@ def test_the_longest_backward_branch_counts_its_instructions():
     assert kr.longest_loop(SASS) == 10
     assert kr.longest_loop(SASS.replace("@P2 BRA 0x20", "@P2 BRA 0xc0")) == 3
     assert kr.longest_loop("") == 0
+
+
+def test_barriers_are_counted_inside_the_longest_loop_only():
+    kr = load_script("kernel_resources")
+    sass = SASS.replace("FADD R2, R2, R5 ;", "BAR.SYNC.DEFER_BLOCKING 0x0 ;").replace(
+        "MOV R1, c[0x0][0x28] ;", "BAR.SYNC.DEFER_BLOCKING 0x0 ;")  # one in the loop, one before it
+    loop = kr.loop_instructions(sass)
+    assert len(loop) == 10 and kr.barriers(loop) == 1  # (its BRA is no barrier)
+    assert kr.barriers(kr.loop_instructions(SASS)) == 0

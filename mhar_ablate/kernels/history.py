@@ -774,13 +774,11 @@ def _history_config(kind: str, block_g: int, device: torch.device) -> tuple[int,
 
 class Norm(NamedTuple):
     """A sublayer's pre-norm (the decoder's RMSNorm) folded into a routing kernel: its gain ``weight`` (d,)
-    fp32, ``eps``, and where the forward writes the normalised output (``out``, (N, d)); in the backward,
-    where the gain's gradient is added (``grad``, (d,) fp32; None in the forward)."""
+    fp32, ``eps``, and where the forward writes the normalised output (``out``, (N, d); None in the backward)."""
 
     weight: Tensor
     eps: float
     out: Tensor | None = None
-    grad: Tensor | None = None
 
 
 def _norm_args(norm: Norm | None, placeholder: Tensor, out_placeholder: Tensor) -> tuple[Tensor, Tensor]:
@@ -966,16 +964,17 @@ def sites_backward(sources: Tensor, grad_sources: Tensor, base: Tensor | None, q
     only that prologue runs. S is compiled into the kernel (its sources unrolled), so each source count is a
     kernel of its own; training takes 0 and 1.
 
-    With ``norm`` (one site, ``out`` and ``grad_copy`` given, ``dqg`` too if S > 0): ``grad_out`` is the
-    gradient of the site's output after the sublayer's pre-norm; the output's own gradient is made from it
-    in the pass, used for the rest and written to ``grad_copy`` (which may be ``grad_out`` itself), and the
-    gain's gradient is added to ``norm.grad``.
+    With ``norm`` (one site; ``out``, ``grad_copy`` and ``dqg`` given, ``dqg`` (2, d) with a second row for
+    the gain's gradient): ``grad_out`` is the gradient of the site's output after the sublayer's pre-norm;
+    the output's own gradient is made from it in the pass, used for the rest and written to ``grad_copy``
+    (which may be ``grad_out`` itself), and the gain's gradient is added to ``dqg[1]``.
     """
     S, N, d = sources.shape
     G = qg.shape[0]
     block_g = _block_g(G)
-    if norm is not None and (G != 1 or out is None or grad_copy is None or (S > 0 and dqg is None)):
-        raise ValueError("sites_backward: a pre-norm's backward takes one site, its output, a grad_copy and dqg")
+    if norm is not None and (G != 1 or out is None or grad_copy is None or dqg is None or dqg.shape[0] != 2):
+        raise ValueError("sites_backward: a pre-norm's backward takes one site, its output, a grad_copy and a "
+                         "dqg of two rows")
     if N == 0:
         return None if S == 0 or dqg is not None else torch.zeros((1, block_g, d), dtype=torch.float32,
                                                                    device=sources.device)
@@ -1002,14 +1001,8 @@ def sites_backward(sources: Tensor, grad_sources: Tensor, base: Tensor | None, q
                            device=sources.device)
     args[10], args[17] = partials, triton.cdiv(N, programs)
     launch(_sites_bwd_kernel, (programs,), tuple(args), meta, sources.device)
-    if norm is not None:
-        if S:  # both sums in one launch where the two rows they go to are one stride apart
-            both = _rows_of(dqg, norm.grad)
-            if both is not None:
-                add_row_sums(partials, both)
-                return None
-            add_row_sums(partials[:, :1], dqg)
-        add_row_sums(partials[:, block_g:], norm.grad.view(1, d))
+    if norm is not None:  # the programs' rows: the qg sums (written with a source), then the gain's
+        add_row_sums(partials if S else partials[:, 1:], dqg if S else dqg[1:])
         return None
     if not S:
         return None
@@ -1017,17 +1010,6 @@ def sites_backward(sources: Tensor, grad_sources: Tensor, base: Tensor | None, q
         return partials
     add_row_sums(partials[:, :G], dqg)
     return None
-
-
-def _rows_of(first: Tensor, second: Tensor) -> Tensor | None:
-    """``first`` (1, d) and ``second`` (d,) fp32 as one (2, d) view, if they lie in one storage a positive
-    whole number of rows' stride apart; else None."""
-    if first.untyped_storage().data_ptr() != second.untyped_storage().data_ptr() or second.stride(-1) != 1:
-        return None
-    gap = second.storage_offset() - first.storage_offset()
-    if gap <= 0:
-        return None
-    return first.as_strided((2, first.shape[-1]), (gap, 1))
 
 
 # add_row_sums: rows a tile, channels a program, warps, pipeline stages. Its input is a persistent kernel's

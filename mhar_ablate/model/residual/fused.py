@@ -68,14 +68,20 @@ HEAD_TILED_MAX_WIDTH = 256
 
 # Whether the sublayers' pre-norms are computed in the sites' kernels (``FusedState.read_with_norm``) rather
 # than in the sublayers' compiled graphs. Off: measured on the H200 (docs/benchmarks.md, "seventeenth round"),
-# the folded step at paper1b took its norms' 2.5 ms of compiled kernels away but added 2.2 ms to the routing
-# kernels (the backward rows, with the norm's row sums, ran at 46-50 % of copy against 75-85 % without), and
-# the backward rows' present form (one level of sums) is not yet measured there. Tests and benchmarks turn it on.
+# folded, the rest of a paper1b step took 2.5 ms less but its routing kernels 2.2 ms more (the backward rows,
+# with the norm's row sums, ran at 46-50 % of copy against 75-85 % without), and the backward rows' present
+# form (one level of sums) is not yet measured there. Tests turn it on; bench_kernels.py --norms times its
+# kernels.
 FOLD_NORMS = False
 
 
 def fold_norms() -> bool:
     return FOLD_NORMS
+
+
+def _gain(norm: Tensor) -> Tensor:
+    """A pre-norm's gain as the kernels read it: fp32, contiguous (a parameter of either already is)."""
+    return (norm if norm.dtype == torch.float32 else norm.float()).contiguous()
 
 
 def routing_range():
@@ -191,18 +197,20 @@ class FusedState:
             partial, pending = partial + pending, None  # (dtypes the kernels do not add: as torch adds)
         if self.res.recording():
             self.res.store_weights(site, self._stacked(plan, partial if pending is None else partial + pending))
+        # Folded, a site's node returns the normed input first and the input itself last.
         weight, eps = (None, 0.0) if norm is None else (norm.weight, norm.eps)
         if partial is None:
-            out, raw = _RouteSite.apply(self.token, self, site, weight, eps)
+            outs = _RouteSite.apply(self.token, self, site, weight, eps)
+            out, *raw = outs if norm is not None else (outs,)
         else:
-            out, self.partial, raw = _RoutePartial.apply(self.token, partial, pending, self, site, weight, eps)
+            out, self.partial, *raw = _RoutePartial.apply(self.token, partial, pending, self, site, weight, eps)
             self.pending = None
         if site == self.res.n_sites - 1:
             # The forward is over. The token and the partial sum lead into the autograd graph, whose nodes
             # hold this state: drop them, or the cycle (which runs through C++ nodes that Python's
             # collector cannot see) would keep the buffers alive after backward.
             self.token = self.partial = self.pending = self.group = None
-        return (out, None) if norm is None else (raw, out)
+        return (out, None) if not raw else (raw[0], out)
 
     def write(self, site: int, out: Tensor) -> None:
         _refuse_recompute(self.token)
@@ -283,8 +291,7 @@ class FusedState:
             flat = addend.reshape(N, d).contiguous()
         pre = None
         if norm is not None:
-            weight = norm if norm.dtype == torch.float32 else norm.float()
-            pre = Norm(weight.contiguous(), norm_eps, torch.empty((N, d), dtype=self.dtype, device=self.buffer.device))
+            pre = Norm(_gain(norm), norm_eps, torch.empty((N, d), dtype=self.dtype, device=self.buffer.device))
         if extras.shape[0] == 0:
             out = state
             if pre is not None:
@@ -323,7 +330,7 @@ class FusedState:
                 self.grads = GradRows.stacked(torch.empty((n, self.N, self.d), dtype=self.dtype, device=dev))
             self.delta = torch.empty((n, self.N, self.res.num_heads), dtype=torch.float32, device=dev)
             # The routing parameters' summed gradient (``dqg``) and the folded pre-norms' gains' (``dnorm``),
-            # a site a row, in one tensor so that a site's backward adds its row of each in one launch.
+            # a site a row, in one tensor so that a folded site's backward adds its row of each in one launch.
             self.param_grads = torch.zeros((2, n, self.d), dtype=torch.float32, device=dev)
             self.dqg, self.dnorm = self.param_grads[0], self.param_grads[1]
             # Every slot's dz * r, (H, S_j, N) one after the other, for the query gradients' one product
@@ -371,15 +378,14 @@ class FusedState:
             keep = {"record": (self.grads.offsets[rows], offset)}
             if norm is not None:  # the output's gradient is made from the norm's in place, where it is read
                 keep["grad_copy"] = g.unsqueeze(0)
-        pre = None
-        if norm is not None:
-            pre = Norm(norm if norm.dtype == torch.float32 else norm.float(), norm_eps, grad=self.dnorm[site])
         extras = self._extras(self.plans[site], partial) if partial is not None else self.buffer[:0]
         grad_extras = torch.empty_like(extras)
         if base is not None:
             base = base.to(extras.dtype).reshape(1, N, d).contiguous()
+        # Folded, the site's rows of the routing parameters' and the gain's gradients, (2, d).
+        dqg, pre = (self.dqg[rows], None) if norm is None else (self.param_grads[:, site], Norm(_gain(norm), norm_eps))
         sites_backward(extras, grad_extras, base, self.qg[rows], H, eps, g.unsqueeze(0), self.lse[rows],
-                       self.delta[rows], out=out.reshape(N, d), dqg=self.dqg[rows], norm=pre, **keep)
+                       self.delta[rows], out=out.reshape(N, d), dqg=dqg, norm=pre, **keep)
         self.ran[site] = True
         grad_norm = None if norm is None else self.dnorm[site].to(norm.dtype)
         if partial is None:
@@ -489,18 +495,18 @@ class _RouteSite(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, token: Tensor, state: FusedState, site: int, norm: Tensor | None, norm_eps: float
-                ) -> tuple[Tensor, Tensor]:
+                ) -> Tensor | tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)
         out, _, normed = state.route_forward(site, None, norm=norm, norm_eps=norm_eps)
         ctx.state, ctx.site, ctx.norm_eps = state, site, norm_eps
         ctx.save_for_backward(out, norm)
         if normed is None:
-            return out, out.new_empty(0)
+            return out
         ctx.mark_non_differentiable(out)  # with a norm, the input's gradient comes through its normed form
         return normed, out
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor | None, _grad_raw: None):
+    def backward(ctx, grad_out: Tensor | None, *_grad_raw: None):
         out, norm = ctx.saved_tensors
         if grad_out is None:  # (the input reached the loss only through what autograd does not see)
             grad_out = torch.zeros_like(out)
@@ -516,18 +522,18 @@ class _RoutePartial(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, token: Tensor, partial: Tensor, addend: Tensor | None, state: FusedState, site: int,
-                norm: Tensor | None, norm_eps: float) -> tuple[Tensor, Tensor, Tensor]:
+                norm: Tensor | None, norm_eps: float) -> tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)
         out, summed, normed = state.route_forward(site, partial, addend, norm=norm, norm_eps=norm_eps)
         ctx.state, ctx.site, ctx.added, ctx.norm_eps = state, site, addend is not None, norm_eps
         ctx.save_for_backward(out, summed, norm)
         if normed is None:
-            return out, summed, out.new_empty(0)
+            return out, summed
         ctx.mark_non_differentiable(out)  # with a norm, the input's gradient comes through its normed form
         return normed, summed, out
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor | None, grad_summed: Tensor | None, _grad_raw: None):
+    def backward(ctx, grad_out: Tensor | None, grad_summed: Tensor | None, *_grad_raw: None):
         out, summed, norm = ctx.saved_tensors
         if grad_out is None:  # the site's input did not reach the loss, only the sum after it
             grad_out = torch.zeros_like(out)
