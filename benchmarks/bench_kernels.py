@@ -34,7 +34,7 @@ Bytes per call (e = bytes of an element of the buffer, U = N·d·e one source):
   merge reads the partial state, the sum before and the block's last output and writes the new sum and the
   output, 5 U; the backward reads the output gradient, the output, the sum and the gradient the later sums
   passed back and writes the sum's gradient, 5 U (6 U with an earlier history module's output-gradient copy;
-  both with the statistics).
+  both with the statistics, and the sum's RMS statistic, N·4, that the merge keeps and the backward reads).
 - query_grad (one product over all slots): every slot's dz·r and every slot read, and 3·slots·sites·d·4
   for partial sums (what the per-slot sums of an earlier form moved, kept so that the figures compare
   across rounds; the chunks' sums of the present form move 0.6 to 3.4 times that, 2-4 % of the total, by arithmetic).
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -112,6 +113,7 @@ class Step:
         self.merged = torch.empty((N, d), dtype=dtype, device=device)
         self.summed = torch.empty((N, d), dtype=dtype, device=device)
         self.grad_partial = torch.empty((1, N, d), dtype=dtype, device=device)
+        self.kept_rms = torch.empty((1, N), dtype=torch.float32, device=device)  # a merge's partial sum's RMS
         # the routing parameters' and the folded norms' gains' gradients, a site a row each, as the fused path
         # keeps them (one tensor, so that a site's backward adds both rows in one launch)
         self.param_grads = torch.zeros((2, n, d), dtype=torch.float32, device=device)
@@ -120,6 +122,11 @@ class Step:
         self.norms = False
         self.gain = 1 + 0.1 * torch.randn(n, d, generator=gen, device=device)
         self.normed = torch.empty((N, d), dtype=dtype, device=device)
+        # the norms' statistics: where a forward writes them, and those of each site's output, which its
+        # backward reads (each head's sum of squares, then the rsqrt of the mean square plus eps)
+        self.normed_stats = torch.empty((N, H + 1), dtype=torch.float32, device=device)
+        heads = self.out.float().view(n, N, H, d // H).pow(2).sum(-1)
+        self.norm_stats = torch.cat([heads, torch.rsqrt(heads.sum(-1, keepdim=True) / d + 1e-6)], -1)
         self.norm_grads = torch.empty((n, N, d), dtype=dtype, device=device)  # where the prologues write
         self.dzr = torch.randn(kernels["column"].dzr_rows(n, n, 1) * H * N, generator=gen, device=device)
         # Where the column passes read the output gradients: in place, through a table (``GradRows``, whose
@@ -142,6 +149,7 @@ class Step:
         """(closure, bytes) for each call of ``kind`` in one step."""
         history, column = kernels["history"], kernels["column"]
         N, d, H, U, eps = self.N, self.d, self.H, self.U, 1e-6
+        nstats = N * (H + 1) * 4 if self.norms else 0  # --norms: a norm's statistics, written or read
         out = []
         if kind == "write_slot":
             for j in range(self.n_sites):
@@ -175,7 +183,7 @@ class Step:
                         self.buffer[h:h + p.k], self.qg[site:site + 1], H, eps, self.merged, None,
                         self.lse[site:site + 1], init=state.unsqueeze(0), rms=self.rms[h:h + p.k],
                         **self.norm_out(site, kernels)),
-                        p.k * U + p.k * N * 4 + (3 if self.norms else 2) * U + 2 * N * H * 4))
+                        p.k * U + p.k * N * 4 + (3 if self.norms else 2) * U + 2 * N * H * 4 + nstats))
         elif kind == "sites_bwd":
             empty = self.buffer[:0]
             for s in range(self.n_sites):
@@ -185,12 +193,13 @@ class Step:
                                            **self.keep_grad(s, kernels))
                     return (self.delta[s], self.norm_grads[s]) if self.norms else (self.delta[s], self.copy[s])
 
-                out.append((prologue, (2 if self.in_place(kernels) and not self.norms else 3) * U + 2 * N * H * 4))
+                out.append((prologue, (2 if self.in_place(kernels) and not self.norms else 3) * U + 2 * N * H * 4
+                            + nstats))
         elif kind == "norm_rows":  # --norms: block:4's sites that merge nothing, their pre-norm a pass of its own
             if self.norms:
                 for s in range(0, self.n_sites - 1, 8):
-                    out.append((lambda s=s: (history.norm_rows(self.out[s], history.Norm(
-                        self.gain[s], eps, self.normed)), self.normed)[1:], 2 * U))
+                    out.append((lambda s=s: (history.norm_rows(self.out[s], self.norm(kernels, s, self.normed), H),
+                                             self.normed)[1:], 2 * U + nstats))
         elif kind in ("block_fwd", "block_bwd"):
             # block:4's sites that read their block's partial sum (sites s with s % 8 > 0): the merge that
             # also makes the sum (partial + the block's last output, written), and the backward that adds the
@@ -201,21 +210,25 @@ class Step:
                     state = self.out[s - 1:s]
 
                     def merge(s=s, partial=partial, addend=addend, rows=rows, state=state):
+                        kept = {"rms_out": self.kept_rms} if self.keeps_rms(kernels) else {}
                         history.sites_forward(partial, self.qg[rows], H, eps, self.merged, None, self.lse[rows],
                                               init=state, addend=addend, sum_out=self.summed,
-                                              **self.norm_out(s, kernels))
+                                              **self.norm_out(s, kernels), **kept)
                         return self.merged, self.summed
 
-                    out.append((merge, (6 if self.norms else 5) * U + 2 * N * H * 4))
+                    out.append((merge, (6 if self.norms else 5) * U + 2 * N * H * 4 + N * 4 + nstats))
                 else:
                     def block_bwd(s=s, partial=partial, rows=rows):
+                        # the partial sum's RMS as its merge kept it: here the statistic of its row, in rms[s]
+                        kept = {"rms": self.rms[rows]} if self.keeps_rms(kernels) else {}
                         history.sites_backward(partial, self.grad_partial, self.out[s - 1:s], self.qg[rows], H, eps,
                                                self.grad_out[rows], self.lse[rows], self.delta[rows],
-                                               out=self.out[s], **{"dqg": self.dqg[rows], **self.keep_grad(s, kernels)})
+                                               out=self.out[s], **{"dqg": self.dqg[rows], **self.keep_grad(s, kernels)},
+                                               **kept)
                         return self.grad_partial, self.delta[s], self.norm_grads[s] if self.norms else self.copy[s]
 
                     out.append((block_bwd, (5 if self.in_place(kernels) and not self.norms else 6) * U
-                                + 2 * N * H * 4))
+                                + 2 * N * H * 4 + N * 4 + nstats))
         elif kind == "column":
             stats = 3 * N * H * 4  # per site: its log-sum-exps and deltas read, dz * r written
             if not hasattr(column, "slot_passes"):  # an earlier column module: one pass a slot
@@ -303,7 +316,7 @@ class Step:
         the normed input's, written where the fused path writes it (in place, here into a row of its own so
         that replays read the same values, or the copy)."""
         if self.norms:  # the site's rows of the query-row and gain gradients, (2, d)
-            norm = {"norm": kernels["history"].Norm(self.gain[s], 1e-6), "grad_copy": self.norm_grads[s:s + 1],
+            norm = {"norm": self.norm(kernels, s), "grad_copy": self.norm_grads[s:s + 1],
                     "dqg": self.param_grads[:, s]}
             if self.in_place(kernels):
                 norm["record"] = (self.table[s:s + 1], s * self.N * self.d)
@@ -312,9 +325,19 @@ class Step:
             return {"record": (self.table[s:s + 1], s * self.N * self.d)}
         return {"grad_copy": self.copy[s:s + 1]}
 
+    def keeps_rms(self, kernels) -> bool:
+        """Whether these kernels keep a block partial sum's RMS statistic from its merge for its backward."""
+        return "rms_out" in inspect.signature(kernels["history"].sites_forward).parameters
+
     def norm_out(self, s: int, kernels) -> dict:
         """With --norms, a merge's pre-norm written too."""
-        return {"norm": kernels["history"].Norm(self.gain[s], 1e-6, self.normed)} if self.norms else {}
+        return {"norm": self.norm(kernels, s, self.normed)} if self.norms else {}
+
+    def norm(self, kernels, s: int, out=None):
+        """Site s's pre-norm as the kernels take it: with ``out`` a forward's (writing the normed row and its
+        statistics to scratch rows), else a backward's (reading the statistics of the site's output)."""
+        stats = self.normed_stats if out is not None else self.norm_stats[s]
+        return kernels["history"].Norm(self.gain[s], 1e-6, stats, out)
 
     def group_bytes(self, B: int, S: int) -> int:
         """What a group pass of B slots over S sites moves (the module docstring's list)."""

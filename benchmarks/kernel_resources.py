@@ -45,6 +45,7 @@ POINTERS = {  # argument: element type; the rest of the arguments are i32 or con
     "part_ptr": "fp32", "dsrc_ptr": "bf16", "base_ptr": "bf16", "out_ptr": "bf16", "gcopy_ptr": "bf16",
     "gtab_ptr": "i64", "init_ptr": "bf16", "add_ptr": "bf16", "sum_ptr": "bf16",
     "dqg_part_ptr": "fp32", "acc_ptr": "fp32", "dr_ptr": "fp32", "nw_ptr": "fp32", "normed_ptr": "bf16",
+    "nstats_ptr": "fp32",
 }
 FLOATS = {"eps", "norm_eps"}
 INT64 = {"g_offset"}  # an offset in elements, of any size
@@ -214,7 +215,8 @@ def row_bwd_rows(d: int, heads: int, stages: list[int], norms: bool, warps_list:
                         else (history.ROW_BWD_CONFIG, history.ROW_BWD_DEFAULT))
     for S in (0, 1):
         meta = {**head_meta(d, heads, has_b=True), "BLOCK_G": 1, "ACCUMULATE": S > 0, "COMPUTE_DELTA": True,
-                "COPY_GRAD": norms or not in_place, "RECORD": in_place, "WRITE_DQG": S > 0, "NORM": norms, "S": S}
+                "COPY_GRAD": norms or not in_place, "RECORD": in_place, "WRITE_DQG": S > 0, "NORM": norms, "USE_RMS": S > 0,
+                "S": S}
         cap, table = configs.get((d, heads), (default,) * 2)[S]
         fn = history._sites_bwd_kernel
         # a token's rows: the output gradient and the output, and with S = 1 the sum and the later gradient
@@ -234,7 +236,8 @@ def merge_rows(d: int, heads: int, stages: list[int], norms: bool) -> list[dict]
     out = []
     warps, table = history.MERGE_CONFIG.get((d, heads), (history._num_warps(d, heads, 1), 2))
     for S, add in ((1, True), (1, False), (3, False)):
-        meta = {**head_meta(d, heads, has_b=True), "S": S, "USE_RMS": not add, "ADD": add, "NORM": norms}
+        meta = {**head_meta(d, heads, has_b=True), "S": S, "USE_RMS": not add, "KEEP_RMS": add, "ADD": add,
+                "NORM": norms}
         for depth in [table] + [s for s in stages if s != table]:
             fn = history._merge_fwd_kernel
             # a token's rows: the partial state, the S sources, with ADD the block's last output

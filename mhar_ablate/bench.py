@@ -7,7 +7,10 @@ and ``block:4`` grouping on the reference and the fused path, the others (hc, hc
 muddformer: each kind's ``bench_variants``) as they are, each eager and under ``torch.compile``, and
 reports per variant: tokens/s, the ratio to the baseline of the same compile mode, peak memory, and the
 step time split into routing and the rest. A step is what training does: forward and loss under bf16
-autocast, backward, fused AdamW (routing parameters without weight decay). Times are CUDA-event medians over several steps after warm-up (compilation excluded).
+autocast, backward, fused AdamW (routing parameters without weight decay). Times are CUDA-event medians over
+several steps after warm-up (compilation excluded). ``--sites-per-pass`` and ``--fold-norms`` give one fused
+row per value (the sites sharing a pass over the history; the sublayers' pre-norms in the routing kernels or
+in the sublayers), so that both forms are timed in one process.
 
 The split comes from one extra step under ``torch.profiler``: routing is the GPU time of the kernels
 launched inside the ``mhar::routing`` ranges (forward) and by the backward nodes those ranges created
@@ -73,6 +76,9 @@ class Variant:
     path: str | None
     compiled: bool
     sites_per_pass: int | None = None  # fused path: consecutive sites sharing one pass over the history
+    # fused path of a kind that can fold (``folds_norms``): the sublayers' pre-norms in its kernels; None:
+    # the model's default
+    fold_norms: bool | None = None
     label: str | None = None  # kinds without a fused path: the row's name (the kind's bench_variants)
     settings: tuple[tuple[str, str], ...] = ()  # and its residual.<kind>.<name> overrides
 
@@ -105,10 +111,12 @@ def _baseline(compiled: bool) -> Variant:
     return Variant("baseline", None, None, compiled)
 
 
-def all_variants(sites_per_pass: list[int | None]) -> list[Variant]:
+def all_variants(sites_per_pass: list[int | None], fold_norms: tuple[bool | None, ...] | list[bool | None] = (None,)
+                 ) -> list[Variant]:
     """Every kind of the registry, eager variants first, then compiled ones; the baseline first in each
     mode. A kind with a fused path gets full and block:4 grouping, each on the reference and the fused path
-    (one fused row per sites-per-pass value); the others get one row per entry of their bench_variants."""
+    (one fused row per sites-per-pass value, and per fold-norms value where the kind folds); the others get
+    one row per entry of their bench_variants."""
     from .model.residual import RESIDUALS
 
     out = []
@@ -123,7 +131,8 @@ def all_variants(sites_per_pass: list[int | None]) -> list[Variant]:
                 continue
             for grouping in ("full", "block:4"):
                 out.append(Variant(kind, grouping, "reference", compiled))
-                out.extend(Variant(kind, grouping, "fused", compiled, g) for g in sites_per_pass)
+                folds = fold_norms if cls.folds_norms else [None]
+                out.extend(Variant(kind, grouping, "fused", compiled, g, f) for g in sites_per_pass for f in folds)
     return out
 
 
@@ -171,6 +180,9 @@ def add_bench_parser(subparsers: Any) -> None:
     m.add_argument("--sites-per-pass", default=None, metavar="N[,N...]",
                    help="fused path: sites sharing one pass over the history (default: the model's); "
                         "several values give one row each")
+    m.add_argument("--fold-norms", default=None, metavar="off|on[,...]",
+                   help="fused path of mhar and attnres: compute the sublayers' pre-norms in the routing kernels "
+                        "(on) or in the sublayers (off); default: the model's; 'off,on' gives one row each")
     m.add_argument("--batch", type=int, help="sequences per step (default 8; 1 with --device cpu)")
     m.add_argument("--seq", type=int, help="tokens per sequence (default: the preset's seq_len; 16 with --device cpu)")
     m.add_argument("--steps", type=int, default=10, help="timed steps, after warm-up (default 10)")
@@ -219,6 +231,15 @@ def _sites_per_pass(text: str | None) -> list[int | None]:
     return values
 
 
+def _fold_norms(text: str | None) -> list[bool | None]:
+    if text is None:
+        return [None]
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values or any(v not in ("on", "off") for v in values):
+        raise UsageError(f"--fold-norms takes on, off or both (off,on), got {text!r}")
+    return [v == "on" for v in dict.fromkeys(values)]
+
+
 def bench_device(args: argparse.Namespace, command: str) -> "torch.device":
     """The device a bench command measures: --device, or one clear line where it asks for a missing GPU."""
     import torch
@@ -239,7 +260,8 @@ def bench_model(args: argparse.Namespace) -> int:
         raise UsageError("--steps, --warmup and --rounds must be at least 1")
     if args.heads < 1:
         raise UsageError(f"--heads must be positive, got {args.heads}")
-    variants = select_variants(args.variants, all_variants(_sites_per_pass(args.sites_per_pass)))
+    variants = select_variants(args.variants, all_variants(_sites_per_pass(args.sites_per_pass),
+                                                           _fold_norms(args.fold_norms)))
     cpu = device.type == "cpu"
     if cpu:
         variants = [v for v in variants if not v.compiled]
@@ -278,7 +300,7 @@ def bench_model(args: argparse.Namespace) -> int:
     baselines: dict[bool, tuple[Training, dict]] = {}  # --rounds: each compile mode's baseline, kept
     try:
         for v in variants:
-            print(f"-- {v.name}" + (f" (sites per pass {v.sites_per_pass})" if v.sites_per_pass else ""), flush=True)
+            print(f"-- {v.name}{_variant_detail(v)}", flush=True)
             held: list[Training] = []
             for row in run_variant(v, args, batch, seq, vocab, device, held):
                 row.update(preset=args.preset, batch=batch, seq=seq, vocab=vocab, **env)
@@ -306,6 +328,12 @@ def bench_model(args: argparse.Namespace) -> int:
     print()
     print(render_table(rows))
     return 0
+
+
+def _variant_detail(v: Variant) -> str:
+    detail = ([f"sites per pass {v.sites_per_pass}"] if v.sites_per_pass else []) + (
+        [] if v.fold_norms is None else ["norms folded" if v.fold_norms else "norms in the sublayers"])
+    return f" ({', '.join(detail)})" if detail else ""
 
 
 def release(device: torch.device) -> None:
@@ -420,14 +448,23 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def render_table(rows: list[dict]) -> str:
-    """The rows as a Markdown table (what ``docs/benchmarks.md`` shows)."""
+    """The rows as a Markdown table (what ``docs/benchmarks.md`` shows); where a row's sublayers' pre-norms
+    ran in its routing kernels (``--fold-norms``), a column says where each fused row's ran."""
+    norms = any(r.get("fold_norms") for r in rows)
     return markdown_table(
-        ["variant", "sites/pass", "tokens/s", "× baseline", "× fastest baseline", "peak GB", "× baseline peak",
-         "step ms", "routing ms", "rest ms", "kernel ms", "status"],
-        [[r["variant"], cell(r["sites_per_pass"], "d"), cell(r["tokens_per_s"], ",.0f"), _ratio_cell(r),
-          cell(r["ratio_to_fastest_baseline"], ".3f"), cell(r["peak_gb"], ".1f"), cell(r.get("peak_ratio_to_baseline"), ".3f"),
-          cell(r["step_ms"], ".1f"), cell(r["routing_ms"], ".1f"), cell(r["rest_ms"], ".1f"), cell(r["kernel_ms"], ".1f"),
-          r["status"]] for r in rows])
+        ["variant", "sites/pass", *(["norms"] if norms else []), "tokens/s", "× baseline", "× fastest baseline",
+         "peak GB", "× baseline peak", "step ms", "routing ms", "rest ms", "kernel ms", "status"],
+        [[r["variant"], cell(r["sites_per_pass"], "d"), *([_norms_cell(r)] if norms else []),
+          cell(r["tokens_per_s"], ",.0f"), _ratio_cell(r), cell(r["ratio_to_fastest_baseline"], ".3f"),
+          cell(r["peak_gb"], ".1f"), cell(r.get("peak_ratio_to_baseline"), ".3f"), cell(r["step_ms"], ".1f"),
+          cell(r["routing_ms"], ".1f"), cell(r["rest_ms"], ".1f"), cell(r["kernel_ms"], ".1f"), r["status"]]
+         for r in rows])
+
+
+def _norms_cell(row: dict) -> str:
+    """Where a fused row's sublayers' pre-norms ran: folded into the routing kernels, or in the sublayers."""
+    fold = row.get("fold_norms")
+    return "–" if fold is None else "folded" if fold else "sublayers"
 
 
 def _ratio_cell(row: dict) -> str:
@@ -453,6 +490,8 @@ def build_model(v: Variant, preset: str, heads: int, vocab: int, device: torch.d
         model = Decoder(cfg.model, cfg.residual, vocab)
     if v.sites_per_pass is not None:
         model.residual.sites_per_pass = v.sites_per_pass
+    if v.fold_norms is not None:
+        model.residual.fold_norms = v.fold_norms
     return model
 
 
@@ -491,6 +530,7 @@ def _new_row(v: Variant, args: argparse.Namespace, cuda_graph: bool) -> dict[str
         "heads": routing_heads(v, args.heads),
         "grouping": v.grouping, "path": v.path, "compiled": v.compiled,
         "compile_mode": args.compile_mode if v.compiled else None, "cuda_graph": cuda_graph, "sites_per_pass": None,
+        "fold_norms": None,
         "tokens_per_s": None, "peak_gb": None, "step_ms": None, "routing_ms": None, "rest_ms": None,
         "kernel_ms": None, "split_from": None, "warmup_s": None, "status": "ok"}
 
@@ -562,6 +602,7 @@ def _measure(v: Variant, args: argparse.Namespace, batch: int, seq: int, vocab: 
     t = Training(v, args, batch, seq, vocab, device)
     if v.path == "fused":
         row["sites_per_pass"] = t.model.residual.sites_per_pass
+        row["fold_norms"] = t.model.residual.fold_norms
     t0 = time.perf_counter()
     for i in range(args.warmup):
         t.step(i)
@@ -591,7 +632,7 @@ def _measure_graph(t: Training, args: argparse.Namespace, tokens: int, ordinary:
     timed) after copying each batch into the captured inputs."""
     import torch
 
-    row["sites_per_pass"] = ordinary["sites_per_pass"]
+    row["sites_per_pass"], row["fold_norms"] = ordinary["sites_per_pass"], ordinary["fold_norms"]
     t0 = time.perf_counter()
     t.train_step = t.new_step(cuda_graph=True)
     t.train_step.prepare(*t.data[0])  # resets the peak before capturing: a replay allocates nothing
@@ -768,7 +809,8 @@ def check_fused(device: torch.device) -> bool:
     """The fused path against the reference on a small model (d 384, H 8: head width 48 = 32 + 16): loss
     and every gradient, in fp32 (tight) and under bf16 autocast (against an fp32 truth, no further from it
     than three times the bf16 reference, or 5 % for the worst parameter: a bug is off by far more), and
-    bitwise determinism of the fused gradients."""
+    bitwise determinism of the fused gradients; with the sublayers' pre-norms in the sublayers and folded
+    into the routing kernels (``fold_norms``)."""
     import torch
 
     from .config import build_config
@@ -778,7 +820,7 @@ def check_fused(device: torch.device) -> bool:
     tokens = (4, 256)
     cases = (("mhar", "full", 8, 1), ("mhar", "full", 8, 4), ("mhar", "block:4", 8, 1), ("mhar", "block:4", 8, 8),
              ("attnres", "full", 1, 1), ("attnres", "full", 1, 4))
-    for kind, grouping, heads, per_pass in cases:
+    for (kind, grouping, heads, per_pass), fold in [(c, f) for f in (False, True) for c in cases]:
         over = {"model.preset": "small", "residual.kind": kind, "residual.grouping": grouping, "residual.heads": str(heads),
                 "residual.query_init": "normal:0.1", "residual.backend": "reference"}
         cfg = build_config(overrides=over)
@@ -790,6 +832,7 @@ def check_fused(device: torch.device) -> bool:
         fused = copy.deepcopy(ref)
         fused.residual.backend = "triton"
         fused.residual.sites_per_pass = per_pass
+        fused.residual.fold_norms = fold
         gen = torch.Generator(device=device).manual_seed(2)
         idx = torch.randint(0, 4096, tokens, device=device, generator=gen)
         targets = torch.randint(0, 4096, tokens, device=device, generator=gen)
@@ -805,7 +848,8 @@ def check_fused(device: torch.device) -> bool:
         passed = (abs(loss_f32 - loss_t) <= 1e-4 * abs(loss_t) and e32 <= 1e-3 and deterministic
                   and ef <= max(3 * er, 0.05) and abs(loss_f - loss_t) <= max(3 * abs(loss_r - loss_t), 0.02))
         ok &= passed
-        print(f"check {kind} {grouping} H={heads} sites/pass {per_pass}: fp32 loss {loss_t:.5f} fused {loss_f32:.5f}, worst grad rel err "
+        print(f"check {kind} {grouping} H={heads} sites/pass {per_pass}{', norms folded' if fold else ''}: "
+              f"fp32 loss {loss_t:.5f} fused {loss_f32:.5f}, worst grad rel err "
               f"{e32:.1e} ({n32}); bf16 vs fp32 truth: loss ref {loss_r - loss_t:+.1e} fused {loss_f - loss_t:+.1e}, "
               f"worst grad rel err ref {er:.1e} fused {ef:.1e} ({nf}); deterministic {deterministic}: "
               f"{'ok' if passed else 'FAILED'}", flush=True)

@@ -53,6 +53,33 @@ def test_variant_selection():
         cmd_bench(_args("--device", "cpu", "--preset", "tiny", "--variants", "*-compiled"))
 
 
+def test_fold_norms_gives_one_fused_row_per_value_where_the_kind_folds():
+    """``--fold-norms off,on``: mhar's and AttnRes's fused rows twice (the model built with the sublayers'
+    pre-norms in its routing kernels, or not), delta's and the reference path's once; the table says which."""
+    from mhar_ablate.bench import _fold_norms, build_model
+
+    variants = select_variants("*-fused-compiled,mhar-full-ref-compiled", all_variants([None], _fold_norms("off,on")))
+    seen = [(v.name, v.fold_norms) for v in variants]
+    for kind in ("mhar", "attnres"):
+        assert (f"{kind}-full-fused-compiled", False) in seen and (f"{kind}-full-fused-compiled", True) in seen
+    assert [f for name, f in seen if name.startswith("delta-")] == [None, None]  # full and block4, once each
+    assert ("mhar-full-ref-compiled", None) in seen
+    folded = next(v for v in variants if v.name == "mhar-block4-fused-compiled" and v.fold_norms)
+    unfolded = next(v for v in variants if v.name == "mhar-block4-fused-compiled" and v.fold_norms is False)
+    assert build_model(folded, "tiny", 4, 64, torch.device("cpu")).residual.fold_norms is True
+    assert build_model(unfolded, "tiny", 4, 64, torch.device("cpu")).residual.fold_norms is False
+    rows = [{**_row("mhar-block4-fused-compiled", "mhar", True, False, 90.0, 3.0), "fold_norms": f}
+            for f in (False, True)]
+    rows = [_row("baseline-compiled", "baseline", True, False, 100.0, 3.0), *rows]
+    _ratios(rows)
+    table = render_table(rows).splitlines()
+    assert [line.split("|")[3].strip() for line in table[2:]] == ["–", "sublayers", "folded"]
+    assert "norms" not in render_table(rows[:2]).splitlines()[0]  # no row folded: no column
+    for bad in ("yes", "", "on,maybe"):
+        with pytest.raises(UsageError, match="--fold-norms takes on, off"):
+            _fold_norms(bad)
+
+
 def test_cuda_graph_is_refused_on_cpu():
     with pytest.raises(UsageError, match="--cuda-graph"):
         cmd_bench(_args("--device", "cpu", "--preset", "tiny", "--variants", "mhar-full-ref-eager", "--cuda-graph"))

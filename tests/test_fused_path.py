@@ -89,6 +89,21 @@ def test_fused_matches_reference_with_output_gradients_copied(grouping, fold, mo
 
 
 
+@pytest.mark.parametrize("grouping,d", [("full", 48), ("block:2", 48), ("block:2", 32)])
+@pytest.mark.parametrize("fold", [False, True], ids=["norms-in-sublayers", "norms-folded"])
+def test_fused_matches_reference_with_the_merges_kernel(grouping, d, fold, monkeypatch):
+    """The merges in their own kernel (``history._merge_fwd_kernel``, which the launch table takes at d = 1280)
+    at a head width split 8 + 4 and a power of two: folded, it writes the pre-norm and keeps its statistics
+    for the backward; in block grouping it keeps the partial sum's RMS too."""
+    from mhar_ablate.kernels import history
+    from mhar_ablate.model.residual import fused
+
+    monkeypatch.setattr(history, "MERGE_CONFIG", {**history.MERGE_CONFIG, (d, 4): (4, 2)})
+    monkeypatch.setattr(fused, "FOLD_NORMS", fold)
+    ref, fused_model = _pair("mhar", grouping, 4, d, 3, 2)
+    _assert_same(ref, fused_model)
+
+
 def test_fused_matches_reference_with_group_passes(monkeypatch):
     """The backward by source with group passes (``kernels/column_group.py``, which the launch table takes
     from d = 1024 on): 8 layers, 17 slots, of which a group of five is summed in one pass."""
@@ -106,9 +121,10 @@ def test_fused_matches_reference_with_group_passes(monkeypatch):
 
 @pytest.mark.parametrize("grouping", ["full", "block:2"])
 def test_sublayer_norms_are_computed_in_the_routing_kernels(grouping, monkeypatch):
-    """Folded (``fused.FOLD_NORMS``), every sublayer's pre-norm runs inside the site's kernels (the merge's or
-    its own row pass forward, the prologue backward), not as the sublayer's module; the final norm stays the
-    head's. Switched off, the sublayers normalise their inputs themselves, with the same result."""
+    """Folded (the model's ``fold_norms``, from ``fused.FOLD_NORMS`` when it is built), every sublayer's
+    pre-norm runs inside the site's kernels (the merge's or its own row pass forward, the prologue backward),
+    not as the sublayer's module; the final norm stays the head's. Switched off on the same model, the
+    sublayers normalise their inputs themselves, with the same result."""
     from mhar_ablate.model.residual import fused
     from mhar_ablate.model.transformer import RMSNorm
 
@@ -122,7 +138,7 @@ def test_sublayer_norms_are_computed_in_the_routing_kernels(grouping, monkeypatc
     folded = _loss_and_grads(model, idx, targets)
     modules = [m for m in calls if m is not model.norm and m.weight.shape[0] == 32]
     assert not modules  # (the attention's per-head QK-norms are narrower)
-    monkeypatch.setattr(fused, "FOLD_NORMS", False)
+    model.residual.fold_norms = False
     calls.clear()
     unfolded = _loss_and_grads(model, idx, targets)
     assert len([m for m in calls if m is not model.norm and m.weight.shape[0] == 32]) == len(model.sublayers)

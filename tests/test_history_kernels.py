@@ -356,6 +356,35 @@ def test_a_site_routes_the_sum_it_makes_and_writes_it(monkeypatch, d, H, merge_k
         history.sites_forward(src[:2], qg, H, EPS, got, None, got_lse, addend=src[1], sum_out=summed)
 
 
+@pytest.mark.parametrize("d,H", [(48, 4), (32, 2)])
+@pytest.mark.parametrize("merge_kernel", [True, False], ids=["merge-kernel", "row-kernel"])
+def test_a_partial_sums_statistics_are_kept_for_the_backward(monkeypatch, d, H, merge_kernel):
+    """A site that reduces its block partial sum's RMS statistic from the row (the sum it makes, here) writes
+    it to ``rms_out`` (7 tokens on three persistent programs in the merges' kernel: the one past the end
+    writes nothing); the backward that reads it instead of reducing the row again gives the same gradients."""
+    _merge_kernel_at(monkeypatch, d, H, merge_kernel)
+    N = 7
+    src, qg, grad_out = _inputs(2, N, d, 1, seed=d + 1)
+    state = torch.randn(1, N, d, generator=torch.Generator().manual_seed(5))
+    out, lse, summed = torch.empty(N, d), torch.randn(1, N, H), torch.empty(N, d)
+    kept = torch.full((2, N), float("nan"))
+    history.sites_forward(src[:1], qg, H, EPS, out, None, lse, init=state, addend=src[1], sum_out=summed,
+                          rms_out=kept[:1])
+    torch.testing.assert_close(kept[0], _rms(src[0] + src[1]))
+    assert kept[1].isnan().all()
+    grads = []
+    for rms in (None, kept[:1], 1.5 * kept[:1]):  # (the last: the statistic is read, not reduced again)
+        got, dqg = torch.full((1, N, d), float("nan")), torch.zeros(1, d)
+        history.sites_backward(summed.unsqueeze(0), got, None, qg, H, EPS, grad_out, lse, torch.empty(1, N, H),
+                               out=out, dqg=dqg, rms=rms)
+        grads.append((got, dqg))
+    torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[1][1], grads[0][1], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(grads[2][0], grads[0][0], rtol=1e-2)
+    with pytest.raises(ValueError, match="rms_out"):
+        history.sites_forward(src[:1], qg, H, EPS, out, None, lse, init=state, rms=kept[:1], rms_out=kept[1:])
+
+
 @pytest.mark.parametrize("in_place", [False, True], ids=["base", "in-place"])
 def test_sites_backward_adds_a_base_and_sums_the_query_gradients(in_place):
     """The partial sum's gradient is this site's share plus the one the later sums passed back (a separate

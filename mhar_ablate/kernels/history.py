@@ -74,23 +74,27 @@ def _write_slot_kernel(src_ptr, add_ptr, dst_ptr, rms_ptr, N, eps, D: tl.constex
 
 
 @triton.jit
-def _norm_rows_kernel(src_ptr, w_ptr, dst_ptr, N, eps, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_T: tl.constexpr):
-    # A sublayer's pre-norm of a site's output (``norm_rows``), BLOCK_T tokens a program.
-    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    c = tl.arange(0, BLOCK_D)
-    ok = (tok < N)[:, None] & (c < D)[None, :]
-    offs = tok[:, None] * D + c[None, :]
-    y = tl.load(src_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(y * y, axis=1) / D + eps)
-    w = tl.load(w_ptr + c, mask=c < D, other=0.0)[None, :]
-    n = (y * r[:, None]).to(src_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(dst_ptr + offs, (n * w).to(dst_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _add_pairs(a0, a1, b0, b1):
-    return a0 + b0, a1 + b1
+def _norm_rows_kernel(src_ptr, w_ptr, dst_ptr, stats_ptr, eps, D: tl.constexpr, H: tl.constexpr,
+                      DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, BLOCK_DB: tl.constexpr,
+                      HAS_B: tl.constexpr):
+    # A sublayer's pre-norm of a site's output (``norm_rows``), one token a program, in the heads' layout so
+    # that its statistics are the ones the merges keep (``_normed``).
+    tok = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, H)[:, None]
+    ja = tl.arange(0, DA)[None, :]
+    jb = tl.arange(0, BLOCK_DB)[None, :]
+    col_a = h * DH + ja  # [H, DA]
+    col_b = h * DH + DA + jb
+    b_ok = jb < DB
+    ya = tl.load(src_ptr + tok * D + col_a).to(tl.float32)
+    yb = ya
+    if HAS_B:
+        yb = tl.load(src_ptr + tok * D + col_b, mask=b_ok, other=0.0).to(tl.float32)
+    na, nb = _normed(ya, yb, w_ptr, stats_ptr + tok * (H + 1), col_a, col_b, b_ok, eps, src_ptr.dtype.element_ty, D,
+                     H, HAS_B, tl.full([1], 1, tl.int1))
+    tl.store(dst_ptr + tok * D + col_a, na.to(dst_ptr.dtype.element_ty))
+    if HAS_B:
+        tl.store(dst_ptr + tok * D + col_b, nb.to(dst_ptr.dtype.element_ty), mask=b_ok)
 
 
 @triton.jit
@@ -104,15 +108,21 @@ def _softmax_step(m, l, z):
 
 
 @triton.jit
-def _normed(ya, yb, w_ptr, col_a, col_b, b_ok, eps, dtype: tl.constexpr, D: tl.constexpr, HAS_B: tl.constexpr):
+def _normed(ya, yb, w_ptr, stats_ptr, col_a, col_b, b_ok, eps, dtype: tl.constexpr, D: tl.constexpr,
+            H: tl.constexpr, HAS_B: tl.constexpr, live):
     """A whole row's pre-norm as the decoder's RMSNorm computes it: ``(y * rsqrt(mean(y^2) + eps))`` rounded
-    to ``dtype``, times the gain, in fp32. ``ya``/``yb``: the row's two blocks (``yb`` ignored without HAS_B;
-    its padding lanes zero), the row as stored."""
-    qa = tl.sum(ya * ya, axis=len(ya.shape) - 1)  # per head first, as the row's other sums
+    to ``dtype``, times the gain, in fp32. ``ya``/``yb``: the row's two blocks, [H, .] or [1, H, .] (``yb``
+    ignored without HAS_B; its padding lanes zero), the row as stored. Its statistics go to the row's H + 1
+    floats at ``stats_ptr`` where ``live`` (shape [1]): each head's sum of squares, then the rsqrt, what the
+    backward reads (``_sites_bwd_kernel``, NORM) instead of reducing the row again."""
+    qa = tl.sum(ya * ya, axis=len(ya.shape) - 1)  # per head
     if HAS_B:
         qa += tl.sum(yb * yb, axis=len(yb.shape) - 1)
     ss = tl.sum(tl.reshape(qa, [qa.numel]), axis=0)
     r = 1.0 / tl.sqrt(ss / D + eps)
+    # (a store from the row's own layout, one lane a head, compiled to more instructions for sm_90)
+    tl.store(stats_ptr + tl.arange(0, H), tl.reshape(qa, [H]), mask=live)
+    tl.store(stats_ptr + H + tl.zeros([1], tl.int32), r + tl.zeros([1], tl.float32), mask=live)
     na = (ya * r).to(dtype).to(tl.float32) * tl.load(w_ptr + col_a)
     nb = na
     if HAS_B:
@@ -127,16 +137,17 @@ def _normed(ya, yb, w_ptr, col_a, col_b, b_ok, eps, dtype: tl.constexpr, D: tl.c
 @triton.jit(do_not_specialize=["N", "S", "G"])
 def _sites_fwd_kernel(
     src_ptr, rms_ptr, qg_ptr, init_ptr, out0_ptr, rest_ptr, lse_ptr, add_ptr, sum_ptr, nw_ptr, normed_ptr,
-    N, S, G, stride_s, eps, norm_eps,
+    nstats_ptr, N, S, G, stride_s, eps, norm_eps,
     D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_G: tl.constexpr, HAS_INIT: tl.constexpr,
-    USE_RMS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr,
+    USE_RMS: tl.constexpr, KEEP_RMS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr,
 ):
     # USE_RMS: the sources' RMS statistics are read from ``rms`` (buffer slots have them) instead of being
-    # reduced from the row, a reduction across the program's warps per source. ADD (one source, S = 1):
-    # the source is src + add, summed in fp32 and rounded to sum's dtype as torch adds, and written to sum
-    # (a block's partial sum, made in the pass that first reads it). NORM (one site, G = 1): the output's
-    # pre-norm by the gain at ``nw`` is written to ``normed`` too (``_normed``).
+    # reduced from the row, a reduction across the program's warps per source; KEEP_RMS (without USE_RMS):
+    # the reduced ones are written there, for the backward to read (a block's partial sum). ADD (one
+    # source, S = 1): the source is src + add, summed in fp32 and rounded to sum's dtype as torch adds, and
+    # written to sum (a block's partial sum, made in the pass that first reads it). NORM (one site, G = 1): the output's
+    # pre-norm by the gain at ``nw`` is written to ``normed`` too, its statistics to ``nstats`` (``_normed``).
     tok = tl.program_id(0).to(tl.int64)
     row = tok * D
     k = tl.arange(0, BLOCK_G)[:, None, None]  # [BLOCK_G, 1, 1] site within the group
@@ -199,9 +210,11 @@ def _sites_fwd_kernel(
         src += stride_s
         if USE_RMS:
             r = tl.load(rms)
-            rms += N
         else:
             r = 1.0 / tl.sqrt(ss / D + eps)
+            if KEEP_RMS:
+                tl.store(rms, r)
+        rms += N
         z = z * r
         m, l, alpha, p = _softmax_step(m, l, z)
         acc_a = acc_a * alpha[:, :, None] + p[:, :, None] * xa
@@ -224,8 +237,8 @@ def _sites_fwd_kernel(
         tl.store(rest_ptr + rest_row + col_b, out_b, mask=later & b_ok)
     tl.store(lse_ptr + kh, m + tl.log(l), mask=kh_ok)
     if NORM:
-        na, nb = _normed(out_a.to(tl.float32), out_b.to(tl.float32), nw_ptr, col_a, col_b, b_ok, norm_eps,
-                         out0_ptr.dtype.element_ty, D, HAS_B)
+        na, nb = _normed(out_a.to(tl.float32), out_b.to(tl.float32), nw_ptr, nstats_ptr + tok * (H + 1), col_a, col_b,
+                         b_ok, norm_eps, out0_ptr.dtype.element_ty, D, H, HAS_B, tl.full([1], 1, tl.int1))
         tl.store(normed_ptr + row + col_a + k * 0, na.to(normed_ptr.dtype.element_ty), mask=first)
         if HAS_B:
             tl.store(normed_ptr + row + col_b + k * 0, nb.to(normed_ptr.dtype.element_ty), mask=first & b_ok)
@@ -238,11 +251,11 @@ def _sites_fwd_kernel(
 # program p walks tokens p, p + P, ...; the same arithmetic as ``_sites_fwd_kernel`` with HAS_INIT.
 @triton.jit(do_not_specialize=["N", "tokens_per_program"])
 def _merge_fwd_kernel(
-    src_ptr, rms_ptr, qg_ptr, init_ptr, out_ptr, lse_ptr, add_ptr, sum_ptr, nw_ptr, normed_ptr,
+    src_ptr, rms_ptr, qg_ptr, init_ptr, out_ptr, lse_ptr, add_ptr, sum_ptr, nw_ptr, normed_ptr, nstats_ptr,
     N, stride_s, eps, norm_eps, tokens_per_program,
     S: tl.constexpr, D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
-    BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, USE_RMS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr,
-    STAGES: tl.constexpr,
+    BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, USE_RMS: tl.constexpr, KEEP_RMS: tl.constexpr, ADD: tl.constexpr,
+    NORM: tl.constexpr, STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -296,6 +309,9 @@ def _merge_fwd_kernel(
                 r = tl.load(rms_ptr + s * N + tok)
             else:
                 r = 1.0 / tl.sqrt(ss / D + eps)
+                if KEEP_RMS:
+                    tl.store(rms_ptr + s * N + tok + tl.zeros([1, 1], tl.int64), r + tl.zeros([1, 1], tl.float32),
+                             mask=live)
             z = z * r
             m, l, alpha, p = _softmax_step(m, l, z)
             acc_a = acc_a * alpha[:, None] + p[:, None] * xa
@@ -310,8 +326,8 @@ def _merge_fwd_kernel(
             tl.store(out_ptr + row + col_b, out_b, mask=live & b_ok)
         tl.store(lse_ptr + tok * H + h[None, :], (m + tl.log(l))[None, :], mask=live & (h[None, :] >= 0))
         if NORM:
-            na, nb = _normed(out_a.to(tl.float32), out_b.to(tl.float32), nw_ptr, col_a, col_b, b_ok, norm_eps,
-                             out_ptr.dtype.element_ty, D, HAS_B)
+            na, nb = _normed(out_a.to(tl.float32), out_b.to(tl.float32), nw_ptr, nstats_ptr + tok * (H + 1), col_a,
+                             col_b, b_ok, norm_eps, out_ptr.dtype.element_ty, D, H, HAS_B, tl.reshape(live, [1]))
             tl.store(normed_ptr + row + col_a, na.to(normed_ptr.dtype.element_ty), mask=live & (ja >= 0))
             if HAS_B:
                 tl.store(normed_ptr + row + col_b, nb.to(normed_ptr.dtype.element_ty), mask=live & b_ok)
@@ -320,11 +336,11 @@ def _merge_fwd_kernel(
 @triton.jit(do_not_specialize=["N", "G", "tokens_per_program", "g_offset"])
 def _sites_bwd_kernel(
     src_ptr, dsrc_ptr, base_ptr, qg_ptr, g_ptr, lse_ptr, delta_ptr, out_ptr, gcopy_ptr, gtab_ptr, dqg_part_ptr,
-    nw_ptr, N, G, stride_s, eps, norm_eps, tokens_per_program, g_offset,
+    nw_ptr, nstats_ptr, rms_ptr, N, G, stride_s, eps, norm_eps, tokens_per_program, g_offset,
     S: tl.constexpr, D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_G: tl.constexpr, ACCUMULATE: tl.constexpr,
     COMPUTE_DELTA: tl.constexpr, COPY_GRAD: tl.constexpr, RECORD: tl.constexpr, WRITE_DQG: tl.constexpr,
-    NORM: tl.constexpr, STAGES: tl.constexpr,
+    NORM: tl.constexpr, USE_RMS: tl.constexpr, STAGES: tl.constexpr,
 ):
     # Persistent: program p walks tokens p, p + P, ... so that the qg-gradient partial sums are one
     # [BLOCK_G, D] row per program, not per token. ACCUMULATE: the sources' gradients are base + this
@@ -332,9 +348,11 @@ def _sites_bwd_kernel(
     # unrolled, so that the token loop holds no inner loop and is software-pipelined over STAGES tokens:
     # the next tokens' rows are copied into shared memory while this one is reduced.
     # NORM (one site, with COMPUTE_DELTA and COPY_GRAD): ``g`` is the gradient of the site's output after
-    # the sublayer's pre-norm (gain at ``nw``); the output's own gradient is made from it first, and is what
-    # the rest of the pass uses and ``gcopy`` keeps; the gain's partial sums follow the qg ones, in row
-    # BLOCK_G of each program's partials.
+    # the sublayer's pre-norm (gain at ``nw``, statistics as the forward kept them at ``nstats``); the
+    # output's own gradient is made from it first, and is what the rest of the pass uses and ``gcopy``
+    # keeps; the gain's partial sums follow the qg ones, in row BLOCK_G of each program's partials.
+    # USE_RMS: the sources' RMS statistics are read from ``rms`` (as the forward kept them) rather than
+    # reduced from the rows, a reduction across the program's warps less.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     if RECORD:  # where the column passes will find this site's output gradient (``grad_rows``)
@@ -385,19 +403,18 @@ def _sites_bwd_kernel(
                 ob = tl.load(out_ptr + row + col_b, mask=b_ok, other=0.0).to(tl.float32)
             if NORM:
                 # RMSNorm's backward, n = o r with r = rsqrt(mean(o^2) + eps): do = r gw - o r^3 <gw, o> / D
-                # (gw = g * gain). Its two row sums are the sums of per-head ones, which also give delta =
-                # <do, o> per head, so that the pass has one level of reductions before the gradient is formed.
+                # (gw = g * gain). r and the per-head sums of o^2 are the forward's; <gw, o> is the sum of
+                # per-head ones, which with them also give delta = <do, o> per head, so that the pass has one
+                # reduction across its warps before the gradient is formed.
                 gwa = ga * nw_a
                 go = tl.sum(gwa * oa, axis=2)  # [BLOCK_G, H]
-                oo = tl.sum(oa * oa, axis=2)
                 if HAS_B:
                     gwb = gb * nw_b
                     go += tl.sum(gwb * ob, axis=2)
-                    oo += tl.sum(ob * ob, axis=2)
-                # both row sums in one reduction across the program's warps
-                row_go, row_oo = tl.reduce((go, oo), axis=1, combine_fn=_add_pairs)
-                row_go, row_oo = tl.reduce((row_go, row_oo), axis=0, combine_fn=_add_pairs)
-                rn = 1.0 / tl.sqrt(row_oo / D + norm_eps)
+                stats = nstats_ptr + tok * (H + 1)
+                oo = tl.load(stats + tl.arange(0, H)[None, :] + tl.zeros([BLOCK_G, 1], tl.int64))
+                rn = tl.load(stats + H)
+                row_go = tl.sum(tl.sum(go, axis=1), axis=0)
                 k3 = rn * rn * rn * row_go / D
                 delta = rn * go - k3 * oo
                 # The gain's gradient sums g * n over tokens (n unrounded: the forward's bf16 rounding of n
@@ -426,14 +443,18 @@ def _sites_bwd_kernel(
             xb = gb
             if HAS_B:
                 xb = tl.load(src_ptr + at + col_b, mask=b_ok, other=0.0).to(tl.float32)
-            ss = tl.sum(tl.sum(tl.sum(xa * xa, axis=2), axis=1), axis=0)
             u = tl.sum(xa * qg_a, axis=2)  # [BLOCK_G, H]
             da = tl.sum(ga * xa, axis=2)
             if HAS_B:
-                ss += tl.sum(tl.sum(tl.sum(xb * xb, axis=2), axis=1), axis=0)
                 u += tl.sum(xb * qg_b, axis=2)
                 da += tl.sum(gb * xb, axis=2)
-            r = 1.0 / tl.sqrt(ss / D + eps)
+            if USE_RMS:
+                r = tl.load(rms_ptr + s * N + tok)
+            else:
+                ss = tl.sum(tl.sum(tl.sum(xa * xa, axis=2), axis=1), axis=0)
+                if HAS_B:
+                    ss += tl.sum(tl.sum(tl.sum(xb * xb, axis=2), axis=1), axis=0)
+                r = 1.0 / tl.sqrt(ss / D + eps)
             a = tl.exp(u * r - lse)
             dz = a * (da - delta)
             rdz = (dz * r)[:, :, None]
@@ -718,12 +739,14 @@ ROW_WARPS: int | None = None
 # 1.28 and 0.70 ms with 2 stages and no cap (3 stages 1.32 and 0.71, 1 stage 1.53 and 0.70).
 ROW_BWD_CONFIG: dict[tuple[int, int], tuple[tuple[int, int], tuple[int, int]]] = {(1280, 8): ((96, 2), (128, 3))}
 ROW_BWD_DEFAULT = (0, 2)
-# The same for the sites whose sublayer's pre-norm the prologue's backward takes in (``Norm``, where
-# ``fused.FOLD_NORMS`` says). Measured on the H200 for an earlier form of the kernel, whose norm took two
+# The same for the sites whose sublayer's pre-norm the prologue's backward takes in (``Norm``, where a
+# model's ``fold_norms`` says). Measured on the H200 for the first form of the kernel, whose norm took two
 # levels of row sums (benchmarks/bench_kernels.py --norms, a step's calls, docs/benchmarks.md "seventeenth
 # round"): it waited on its sums rather than on memory, and 3 stages without a cap were the fastest of 1-3
 # stages and caps of 128 and 160 at d = 1024 and 1280 (at paper1b 2.04 ms for the prologues and 3.42 for the
-# partial sums' backward, against 2.36 / 3.69 with the table's caps and 1.27 / 2.47 without the norm).
+# partial sums' backward, against 2.36 / 3.69 with the table's caps and 1.27 / 2.47 without the norm). The
+# present form, which reads the norm's statistics and the partial sum's RMS from the forward, is not yet
+# measured there.
 ROW_BWD_NORM_CONFIG: dict[tuple[int, int], tuple[tuple[int, int], tuple[int, int]]] = {}
 ROW_BWD_NORM_DEFAULT = (0, 3)
 # When set (benchmarks): a cap on every row kernel's registers, the backward's stages.
@@ -774,32 +797,39 @@ def _history_config(kind: str, block_g: int, device: torch.device) -> tuple[int,
 
 class Norm(NamedTuple):
     """A sublayer's pre-norm (the decoder's RMSNorm) folded into a routing kernel: its gain ``weight`` (d,)
-    fp32, ``eps``, and where the forward writes the normalised output (``out``, (N, d); None in the backward)."""
+    fp32, ``eps``, its statistics ``stats`` (N, H + 1) fp32 (each head's sum of the squares of the output as
+    stored, then the rsqrt of the row's mean square plus eps: written by the forward, read by the
+    backward), and where the forward writes the normalised output (``out``, (N, d); None in the backward)."""
 
     weight: Tensor
     eps: float
+    stats: Tensor
     out: Tensor | None = None
 
 
-def _norm_args(norm: Norm | None, placeholder: Tensor, out_placeholder: Tensor) -> tuple[Tensor, Tensor]:
+def _first(*tensors: Tensor | None) -> Tensor:
+    """The first tensor given: a pointer argument, or the placeholder last when its flag is off."""
+    return next(t for t in tensors if t is not None)
+
+
+def _norm_args(norm: Norm | None, placeholder: Tensor, out_placeholder: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """A forward's (gain, normed output, statistics) pointers."""
     if norm is None:
-        return placeholder, out_placeholder
-    return norm.weight, norm.out
+        return placeholder, out_placeholder, placeholder
+    return norm.weight, norm.out, norm.stats
 
 
-def norm_rows(x: Tensor, norm: Norm) -> None:
+def norm_rows(x: Tensor, norm: Norm, num_heads: int) -> None:
     """Write the pre-norm of ``x`` (N, d), contiguous, to ``norm.out``: ``(x * rsqrt(mean(x^2) + eps))``
-    rounded to x's dtype, times the gain, as the decoder's RMSNorm computes it (for a site whose output no
-    routing kernel of its own writes: the shared pass's, which holds one head of a row at a time)."""
+    rounded to x's dtype, times the gain, as the decoder's RMSNorm computes it, and its statistics to
+    ``norm.stats`` (for a site whose output no routing kernel of its own writes: the shared pass's, which
+    holds one head of a row at a time). One token a program, as the row kernels take it."""
     N, d = x.shape
     if N:
-        block_d = triton.next_power_of_2(d)
-        tokens, warps = WRITE_SLOT_CONFIG or (max(1, 2048 // block_d), 4)
-        meta = {"D": d, "BLOCK_D": block_d, "BLOCK_T": tokens}
+        meta = head_meta(d, num_heads, has_b=True)
         if x.device.type != "cpu":
-            meta["num_warps"] = warps
-        launch(_norm_rows_kernel, (triton.cdiv(N, tokens),), (x, norm.weight, norm.out, N, norm.eps), meta,
-               x.device)
+            meta["num_warps"] = _num_warps(d, num_heads, 1)
+        launch(_norm_rows_kernel, (N,), (x, norm.weight, norm.out, norm.stats, norm.eps), meta, x.device)
 
 
 # write_slot: tokens a program and warps, when set (benchmarks); else as many tokens as make 2,048 channels
@@ -827,14 +857,15 @@ def write_slot(source: Tensor, slot: Tensor, rms: Tensor, eps: float, addend: Te
 def sites_forward(sources: Tensor, qg: Tensor, num_heads: int, eps: float, out: Tensor, rest: Tensor | None,
                   lse: Tensor, init: Tensor | None = None, rms: Tensor | None = None,
                   addend: Tensor | None = None, sum_out: Tensor | None = None,
-                  norm: "Norm | None" = None) -> None:
+                  norm: "Norm | None" = None, rms_out: Tensor | None = None) -> None:
     """Route ``sources`` (S, N, d), contiguous, for the G sites whose fused query·key-gain rows are ``qg``
     (G, d) fp32, a whole row at a time (a merge of one site with at most MERGE_MAX_S sources, at the shapes in
     MERGE_CONFIG, in ``_merge_fwd_kernel``; else one token a program). Writes site 0's normalised output to
     ``out`` (N, d), site k's to ``rest[k - 1]`` and every site's log-sum-exp to ``lse`` (G, N, H) fp32. With
     ``init`` (G, N, d) the sites continue from that partial state, whose log-sum-exps are read from ``lse``
     first (in place).
-    ``rms`` (S, N): the sources' RMS statistics, if known (else reduced from the rows). With ``addend``
+    ``rms`` (S, N): the sources' RMS statistics, if known (else reduced from the rows, and written to
+    ``rms_out`` (S, N) fp32 if given, for ``sites_backward``: a block's partial sum). With ``addend``
     (N, d) and ``sum_out`` (N, d), both contiguous, and one source: the source routed is ``sources[0] +
     addend``, rounded to ``sum_out``'s dtype and written there. With ``norm`` (one site) the output's
     pre-norm is written to ``norm.out`` as well."""
@@ -844,18 +875,21 @@ def sites_forward(sources: Tensor, qg: Tensor, num_heads: int, eps: float, out: 
         raise ValueError("sites_forward: addend and sum_out go together, with one source and no rms")
     if norm is not None and G != 1:
         raise ValueError("sites_forward: a pre-norm is written for one site only")
+    if rms is not None and rms_out is not None:
+        raise ValueError("sites_forward: rms_out keeps the statistics reduced from the rows, without rms")
     if N == 0:
         return
     if init is not None and G == 1 and 1 <= S <= MERGE_MAX_S and (d, num_heads) in MERGE_CONFIG:
-        _merge_forward(sources, qg, num_heads, eps, out, lse, init, rms, addend, sum_out, norm)
+        _merge_forward(sources, qg, num_heads, eps, out, lse, init, rms, addend, sum_out, norm, rms_out)
         return
     meta = {**head_meta(d, num_heads, has_b=True), "BLOCK_G": _block_g(G), "HAS_INIT": init is not None,
-            "USE_RMS": rms is not None, "ADD": addend is not None, "NORM": norm is not None}
+            "USE_RMS": rms is not None, "KEEP_RMS": rms_out is not None, "ADD": addend is not None,
+            "NORM": norm is not None}
     if sources.device.type != "cpu":
         meta["num_warps"] = _num_warps(d, num_heads, meta["BLOCK_G"])
         if ROW_MAXNREG:
             meta["maxnreg"] = ROW_MAXNREG
-    args = (sources, rms if rms is not None else qg, qg, init if init is not None else out, out,
+    args = (sources, _first(rms, rms_out, qg), qg, init if init is not None else out, out,
             rest if rest is not None else out, lse, addend if addend is not None else out,
             sum_out if sum_out is not None else out, *_norm_args(norm, qg, out), N, S, G, N * d, eps,
             norm.eps if norm is not None else 0.0)
@@ -875,14 +909,15 @@ MERGE_CONFIG: dict[tuple[int, int], tuple[int, int]] = {(1280, 8): (4, 2)}
 
 
 def _merge_forward(sources: Tensor, qg: Tensor, num_heads: int, eps: float, out: Tensor, lse: Tensor, init: Tensor,
-                   rms: Tensor | None, addend: Tensor | None, sum_out: Tensor | None, norm: "Norm | None") -> None:
+                   rms: Tensor | None, addend: Tensor | None, sum_out: Tensor | None, norm: "Norm | None",
+                   rms_out: Tensor | None) -> None:
     S, N, d = sources.shape
-    meta = {**head_meta(d, num_heads, has_b=True), "S": S, "USE_RMS": rms is not None, "ADD": addend is not None,
-            "NORM": norm is not None}
+    meta = {**head_meta(d, num_heads, has_b=True), "S": S, "USE_RMS": rms is not None, "KEEP_RMS": rms_out is not None,
+            "ADD": addend is not None, "NORM": norm is not None}
     warps, meta["STAGES"] = MERGE_CONFIG[d, num_heads]
     if sources.device.type != "cpu":
         meta["num_warps"] = warps
-    args = [sources, rms if rms is not None else qg, qg, init, out, lse, addend if addend is not None else out,
+    args = [sources, _first(rms, rms_out, qg), qg, init, out, lse, addend if addend is not None else out,
             sum_out if sum_out is not None else out, *_norm_args(norm, qg, out), N, N * d, eps,
             norm.eps if norm is not None else 0.0, 1]
     programs = persistent_programs(_merge_fwd_kernel, args, meta, sources.device, N)
@@ -950,7 +985,7 @@ def history_forward(sources: Tensor, rms: Tensor, qg: Tensor, num_heads: int, ou
 def sites_backward(sources: Tensor, grad_sources: Tensor, base: Tensor | None, qg: Tensor, num_heads: int,
                    eps: float, grad_out: Tensor, lse: Tensor, delta: Tensor, out: Tensor | None = None,
                    grad_copy: Tensor | None = None, record: tuple[Tensor, int] | None = None,
-                   dqg: Tensor | None = None, norm: Norm | None = None) -> Tensor | None:
+                   dqg: Tensor | None = None, norm: Norm | None = None, rms: Tensor | None = None) -> Tensor | None:
     """Gradients of ``sources`` (S, N, d) summed over G sites, a whole row per program, written to
     ``grad_sources`` (same layout), plus ``base`` if given (same layout; ``grad_sources`` itself adds in
     place). The sites' ``qg`` gradients are added to ``dqg`` (G, d) fp32 if given; else returned as the
@@ -962,7 +997,8 @@ def sites_backward(sources: Tensor, grad_sources: Tensor, base: Tensor | None, q
     ``grad_copy`` if given. ``record`` (a one-element int64 tensor and a value): the value is stored there, on
     the device (the site's output-gradient offset in the step's ``grad_rows.GradRows``). S may be 0: then
     only that prologue runs. S is compiled into the kernel (its sources unrolled), so each source count is a
-    kernel of its own; training takes 0 and 1.
+    kernel of its own; training takes 0 and 1. ``rms`` (S, N) fp32: the sources' RMS statistics as the
+    forward used them (``sites_forward``'s ``rms_out``), if kept (else reduced from the rows again).
 
     With ``norm`` (one site; ``out``, ``grad_copy`` and ``dqg`` given, ``dqg`` (2, d) with a second row for
     the gain's gradient): ``grad_out`` is the gradient of the site's output after the sublayer's pre-norm;
@@ -980,7 +1016,7 @@ def sites_backward(sources: Tensor, grad_sources: Tensor, base: Tensor | None, q
                                                                    device=sources.device)
     meta = {**head_meta(d, num_heads, has_b=True), "BLOCK_G": block_g, "ACCUMULATE": base is not None,
             "COMPUTE_DELTA": out is not None, "COPY_GRAD": grad_copy is not None, "RECORD": record is not None,
-            "WRITE_DQG": S > 0, "NORM": norm is not None, "S": S}
+            "WRITE_DQG": S > 0, "NORM": norm is not None, "USE_RMS": rms is not None, "S": S}
     table, default = (ROW_BWD_CONFIG, ROW_BWD_DEFAULT) if norm is None else (ROW_BWD_NORM_CONFIG, ROW_BWD_NORM_DEFAULT)
     cap, meta["STAGES"] = table.get((d, num_heads), (default,) * 2)[S > 0]
     if ROW_BWD_STAGES:
@@ -994,12 +1030,12 @@ def sites_backward(sources: Tensor, grad_sources: Tensor, base: Tensor | None, q
     args = [sources, grad_sources, base if base is not None else grad_sources, qg, grad_out, lse, delta,
             out if out is not None else grad_out, grad_copy if grad_copy is not None else grad_out, table,
             torch.empty((1, rows, d), dtype=torch.float32, device=sources.device),
-            norm.weight if norm is not None else qg, N, G, N * d, eps, norm.eps if norm is not None else 0.0, 1,
-            value]
+            norm.weight if norm is not None else qg, norm.stats if norm is not None else qg, _first(rms, qg),
+            N, G, N * d, eps, norm.eps if norm is not None else 0.0, 1, value]
     programs = persistent_programs(_sites_bwd_kernel, args, meta, sources.device, N)
     partials = torch.empty((programs if S or norm is not None else 1, rows, d), dtype=torch.float32,
                            device=sources.device)
-    args[10], args[17] = partials, triton.cdiv(N, programs)
+    args[10], args[-2] = partials, triton.cdiv(N, programs)  # (the tokens a program: the last but one)
     launch(_sites_bwd_kernel, (programs,), tuple(args), meta, sources.device)
     if norm is not None:  # the programs' rows: the qg sums (written with a source), then the gain's
         add_row_sums(partials if S else partials[:, 1:], dqg if S else dqg[1:])

@@ -39,6 +39,9 @@ class Residual(nn.Module):
     shared: ClassVar[tuple[str, ...]] = ()
     default_heads: ClassVar[int | None] = None  # routing heads when residual.heads is unset; None: no heads
     fused_path: ClassVar[bool] = False  # a fused GPU path, chosen by residual.backend
+    # Its fused path can compute the sublayers' pre-norms in its own kernels (``read_with_norm``), where the
+    # model's ``fold_norms`` says (``bench model --fold-norms`` times both).
+    folds_norms: ClassVar[bool] = False
     # Records depth weights (TensorBoard's routing/depth_weights, routing.png): such a variant honours
     # ``record`` (set by the training loop: True/False force recording on or off, None records on every
     # eval-mode forward) and returns them from ``last_weights``. The others return None there.

@@ -41,6 +41,7 @@ class DeltaState:
 
 class DeltaResidual(MHARResidual):
     default_heads = 8
+    folds_norms = False  # the sublayer's input is h + gate * the routed read: no site kernel writes it whole
 
     @classmethod
     def label(cls, cfg: Any) -> str:

@@ -32,10 +32,10 @@ for backward). Here, per forward pass:
   the writer of slot 0, whose backward runs last; the slots' share of them is one matrix product over
   every slot's kept ``dz * r`` there (``kernels.column.query_grads``).
 
-The sublayers' pre-norms can be computed here too (``read_with_norm``, where ``FOLD_NORMS`` says): the site's
-merge writes its input's RMSNorm beside the input (a site that merges nothing takes a row pass of its own),
-and its backward prologue takes the normed input's gradient, makes the input's from it and sums the norm
-gain's gradient, so that the sublayer's compiled graph reads neither.
+The sublayers' pre-norms can be computed here too (``read_with_norm``, where the model's ``fold_norms``
+says): the site's merge writes its input's RMSNorm beside the input (a site that merges nothing takes a row
+pass of its own), and its backward prologue takes the normed input's gradient, makes the input's from it
+and sums the norm gain's gradient, so that the sublayer's compiled graph reads neither.
 
 Order in backward: a slot's gradient is complete only after every site that reads it has run its backward.
 Autograd knows nothing of the buffer, so each slot write returns a small dependency token that the next
@@ -66,16 +66,18 @@ ROW_PASS_MAX_SITES = 2
 HEAD_TILED_MAX_WIDTH = 256
 
 
-# Whether the sublayers' pre-norms are computed in the sites' kernels (``FusedState.read_with_norm``) rather
-# than in the sublayers' compiled graphs. Off: measured on the H200 (docs/benchmarks.md, "seventeenth round"),
-# folded, the rest of a paper1b step took 2.5 ms less but its routing kernels 2.2 ms more (the backward rows,
-# with the norm's row sums, ran at 46-50 % of copy against 75-85 % without), and the backward rows' present
-# form (one level of sums) is not yet measured there. Tests turn it on; bench_kernels.py --norms times its
-# kernels.
+# Whether new models compute the sublayers' pre-norms in the sites' kernels (``FusedState.read_with_norm``)
+# rather than in the sublayers' compiled graphs (a model's ``residual.fold_norms``). Off: measured on the
+# H200 (docs/benchmarks.md, "seventeenth round"), folded, the rest of a paper1b step took 2.5 ms less but its
+# routing kernels 2.2 ms more (the backward rows, with the norm's row sums, ran at 46-50 % of copy against
+# 75-85 % without), and the backward rows' present form (the norm's statistics read from the forward, one
+# reduction across warps) is not yet measured there. Tests turn it on; bench_kernels.py --norms times its
+# kernels, ``bench model --fold-norms off,on`` the steps.
 FOLD_NORMS = False
 
 
 def fold_norms() -> bool:
+    """The default for new models (read when one is built, so that a test can set it first)."""
     return FOLD_NORMS
 
 
@@ -165,6 +167,12 @@ class FusedState:
         # whole pass (groups take slices), fewer small launches and allocations per site.
         self.qg = (residual.query.detach().float() * residual.key_weight.detach().float()).contiguous()
         self.lse = torch.empty((residual.n_sites, self.N, H), dtype=torch.float32, device=dev)
+        # Block grouping: the RMS statistic of the block partial sum each site read, as its merge reduced it
+        # from the row, so that its backward reads it instead of reducing the row again.
+        self.sum_rms = (None if residual.block_sublayers == 1 else
+                        torch.empty((residual.n_sites, self.N), dtype=torch.float32, device=dev))
+        # Folded pre-norms: each site's norm statistics (``history.Norm``), made with its first one.
+        self.norm_stats: Tensor | None = None
         self.group: _Group | None = None
         # Block grouping: the unfinished block's running sum, without its last output (``pending``), which
         # the next site to read the sum adds in its own pass.
@@ -236,6 +244,7 @@ class FusedState:
         (seen on the CPU). Its buffers (the sources, the sites' output gradients, dz * r: about 2 GB at
         ``paper350m``) would then still be allocated during the next steps."""
         self.buffer = self.rms = self.grads = self.zeros = self.delta = self.dzr = self.dqg = self.lse = self.qg = None
+        self.sum_rms = self.norm_stats = None
         self.param_grads = self.dnorm = None
         self.held = []
         self.carry = None
@@ -291,18 +300,24 @@ class FusedState:
             flat = addend.reshape(N, d).contiguous()
         pre = None
         if norm is not None:
-            pre = Norm(_gain(norm), norm_eps, torch.empty((N, d), dtype=self.dtype, device=self.buffer.device))
+            if self.norm_stats is None:
+                self.norm_stats = torch.empty((self.res.n_sites, N, H + 1), dtype=torch.float32,
+                                              device=self.buffer.device)
+            pre = Norm(_gain(norm), norm_eps, self.norm_stats[site],
+                       torch.empty((N, d), dtype=self.dtype, device=self.buffer.device))
         if extras.shape[0] == 0:
             out = state
             if pre is not None:
-                norm_rows(out, pre)
+                norm_rows(out, pre, H)
         else:
             out = torch.empty((N, d), dtype=self.dtype, device=self.buffer.device)
-            # In full grouping the extras are slots, whose statistics are known; a block's partial sum is not.
-            rms = self.rms[plan.history:plan.history + plan.k] if self.res.block_sublayers == 1 else None
+            # In full grouping the extras are slots, whose statistics are known; a block's partial sum's are
+            # reduced from the row, and kept for the site's backward.
+            full = self.res.block_sublayers == 1
             sites_forward(extras, group.qg[plan.k:plan.k + 1], H, eps, out, None, group.lse[plan.k:plan.k + 1],
-                          init=state.unsqueeze(0), rms=rms, addend=flat,
-                          sum_out=None if addend is None else summed.view(N, d), norm=pre)
+                          init=state.unsqueeze(0), rms=self.rms[plan.history:plan.history + plan.k] if full else None,
+                          addend=flat, sum_out=None if addend is None else summed.view(N, d), norm=pre,
+                          rms_out=None if full else self.sum_rms[site:site + 1])
         if plan.k == plan.size - 1:  # every site of the group has merged: drop the partial states
             group.first = group.rest = None
         return out.view(self.shape), summed, None if pre is None else pre.out.view(self.shape)
@@ -383,9 +398,11 @@ class FusedState:
         if base is not None:
             base = base.to(extras.dtype).reshape(1, N, d).contiguous()
         # Folded, the site's rows of the routing parameters' and the gain's gradients, (2, d).
-        dqg, pre = (self.dqg[rows], None) if norm is None else (self.param_grads[:, site], Norm(_gain(norm), norm_eps))
+        dqg, pre = ((self.dqg[rows], None) if norm is None else
+                    (self.param_grads[:, site], Norm(_gain(norm), norm_eps, self.norm_stats[site])))
         sites_backward(extras, grad_extras, base, self.qg[rows], H, eps, g.unsqueeze(0), self.lse[rows],
-                       self.delta[rows], out=out.reshape(N, d), dqg=dqg, norm=pre, **keep)
+                       self.delta[rows], out=out.reshape(N, d), dqg=dqg, norm=pre,
+                       rms=self.sum_rms[rows] if extras.shape[0] else None, **keep)
         self.ran[site] = True
         grad_norm = None if norm is None else self.dnorm[site].to(norm.dtype)
         if partial is None:

@@ -50,6 +50,7 @@ def sources_at(site: int, block_sublayers: int) -> int:
 class MHARResidual(Residual):
     shared = ("heads", "grouping", "query_init", "backend")
     fused_path = True
+    folds_norms = True
     depth_weights = True
     default_heads = 8
 
@@ -100,8 +101,11 @@ class MHARResidual(Residual):
         if self.backend == "triton" and not self.fusable:
             raise ValueError(f"residual.backend=triton: the fused path needs residual.heads={self.num_heads} to be a "
                              f"power of two that divides d={d}; use residual.backend=reference")
-        # Consecutive sites that share one pass over the history in the fused path (fused.py).
+        # Consecutive sites that share one pass over the history in the fused path (fused.py), and whether
+        # that path computes the sublayers' pre-norms (read_with_norm): per model, so that one process can
+        # time both forms side by side.
         self.sites_per_pass = DEFAULT_SITES_PER_PASS
+        self.fold_norms = fold_norms() and self.folds_norms
         std = cfg.query_std()
         self.query = nn.Parameter(torch.randn(self.n_sites, d) * std if std > 0 else torch.zeros(self.n_sites, d))
         self.key_weight = nn.Parameter(torch.ones(self.n_sites, d))
@@ -160,7 +164,7 @@ class MHARResidual(Residual):
                        ) -> tuple[Tensor, Tensor | None]:
         """On the fused path the sublayer's RMSNorm is computed in the site's own kernels: its forward
         where the site's input is written, its backward where the input's gradient is read (``fused.py``)."""
-        if isinstance(state, FusedState) and fold_norms():
+        if isinstance(state, FusedState) and self.fold_norms:
             return _fused_read_with_norm(state, site, norm)
         return self.read(state, site), None
 
