@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 16 on a GPU machine, in one call: the fused path's kernels against the float64 oracle
-# (tests/test_kernels_gpu.py, the history, column and fused-path tests), then every routing kernel of a
-# training step timed alone with its bytes and share of the copy bandwidth (benchmarks/bench_kernels.py),
-# launch configurations swept. Logs and JSON under $OUT.
+# (tests/test_kernels_gpu.py, the history, column and fused-path tests; their whole log in tests-full.log),
+# then every routing kernel of a training step timed alone with its bytes and share of the copy bandwidth
+# (benchmarks/bench_kernels.py), launch configurations swept. Logs and JSON under $OUT.
 #
 #   OUT=$OUT PRESETS=paper350m,paper1b PREV=.gpu-prev COL='1,4,2;1,4,4' HIST='4:1,1,6,2' QUERY='64,32,4,3,4' \
 #       bash benchmarks/gpu_kernel_sweep.sh
@@ -18,15 +18,17 @@
 # GROUP='TOKENS,WARPS,STAGES,MAX_S[,HOLD];...' sweeps the group pass; OTHER=1 times the output gradients kept
 # the other way (copied or in place, against the width's table); MERGE='WARPS,STAGES;...' sweeps the merges'
 # kernel, TILES='T;...' the token tiles a program of the head-tiled forward walks; TESTS=0 skips the tests,
-# KINDS='column,...' the kinds timed at their defaults (all when unset), BENCH=0 no timings.
+# KINDS='column,...' the kinds timed at their defaults (all when unset), BENCH=0 no timings; NORMS=1 times
+# them again with the sublayers' pre-norms folded in (--norms; logs and JSON under $OUT/norms).
 set -uo pipefail
 OUT=${OUT:-gpu-kernels}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout "${TEST_LIMIT:-240}" python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels_gpu.py \
-    -k "${TEST_SELECT:-history or column or sites or fused or write_slot}" 2>&1 | tail -5 | tee "$OUT/tests.log"
+  timeout "${TEST_LIMIT:-240}" python3 -m pytest -q -rf -p no:cacheprovider tests/test_kernels_gpu.py \
+    -k "${TEST_SELECT:-history or column or sites or fused or write_slot}" 2>&1 | tee "$OUT/tests-full.log" \
+    | tail -8 | tee "$OUT/tests.log"
 fi
 if [ -n "${PROFILE:-}" ]; then  # PROFILE='PRESET:COLUMN_CONFIGS PRESET:...': Nsight Compute on one call per version
   for item in $PROFILE; do
@@ -42,10 +44,16 @@ if [ -n "${PROFILE:-}" ]; then  # PROFILE='PRESET:COLUMN_CONFIGS PRESET:...': Ns
     python3 benchmarks/ncu_summary.py "$OUT/raw-$preset.csv" | tee "$OUT/ncu-$preset.md"
   done
 fi
-[ "${BENCH:-1}" = 1 ] && python3 benchmarks/bench_kernels.py --presets "${PRESETS:-paper350m}" --out "$OUT" ${PREV:+--prev "$PREV"} \
-  --column-configs "${COL:-}" --history-configs "${HIST:-}" --history-dot "${DOT:-}" --query-configs "${QUERY:-}" \
-  --write-configs "${WRITE:-}" --row-warps "${ROWS:-}" --two-slot-configs "${TWO:-}" --row-stages "${ROWSTAGES:-}" \
-  --group-slots "${GROUPSLOTS:-}" --group-weights "${GROUPWEIGHTS:-}" --group-configs "${GROUP:-}" \
-  --merge-configs "${MERGE:-}" --history-tiles "${TILES:-}" ${ONE:+--one-slot} ${OTHER:+--other-grads} \
-  ${KINDS:+--kinds "$KINDS"} 2>&1 \
-  | tee "$OUT/bench_kernels.log"
+bench() {  # $1: where its log and JSON go, then more options
+  mkdir -p "$1"
+  python3 benchmarks/bench_kernels.py --presets "${PRESETS:-paper350m}" --out "$1" ${PREV:+--prev "$PREV"} \
+    --column-configs "${COL:-}" --history-configs "${HIST:-}" --history-dot "${DOT:-}" --query-configs "${QUERY:-}" \
+    --write-configs "${WRITE:-}" --row-warps "${ROWS:-}" --two-slot-configs "${TWO:-}" --row-stages "${ROWSTAGES:-}" \
+    --group-slots "${GROUPSLOTS:-}" --group-weights "${GROUPWEIGHTS:-}" --group-configs "${GROUP:-}" \
+    --merge-configs "${MERGE:-}" --history-tiles "${TILES:-}" ${ONE:+--one-slot} ${OTHER:+--other-grads} \
+    ${KINDS:+--kinds "$KINDS"} "${@:2}" 2>&1 | tee "$1/bench_kernels.log"
+}
+if [ "${BENCH:-1}" = 1 ]; then
+  bench "$OUT"
+  if [ "${NORMS:-0}" = 1 ]; then bench "$OUT/norms" --norms; fi
+fi
