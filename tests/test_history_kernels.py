@@ -360,8 +360,8 @@ def test_a_site_routes_the_sum_it_makes_and_writes_it(monkeypatch, d, H, merge_k
 @pytest.mark.parametrize("merge_kernel", [True, False], ids=["merge-kernel", "row-kernel"])
 def test_a_partial_sums_statistics_are_kept_for_the_backward(monkeypatch, d, H, merge_kernel):
     """A site that reduces its block partial sum's RMS statistic from the row (the sum it makes, here) writes
-    it to ``rms_out`` (7 tokens on three persistent programs in the merges' kernel: the one past the end
-    writes nothing); the backward that reads it instead of reducing the row again gives the same gradients."""
+    it to ``rms_out`` and nothing beyond (7 tokens on three persistent programs in the merges' kernel); the
+    backward that reads it instead of reducing the row again gives the same gradients."""
     _merge_kernel_at(monkeypatch, d, H, merge_kernel)
     N = 7
     src, qg, grad_out = _inputs(2, N, d, 1, seed=d + 1)
