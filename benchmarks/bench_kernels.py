@@ -204,13 +204,15 @@ class Step:
             # block:4's sites that read their block's partial sum (sites s with s % 8 > 0): the merge that
             # also makes the sum (partial + the block's last output, written), and the backward that adds the
             # gradient the later sums passed back and the query-row gradient into the step's rows
+            # whether the merge keeps the sum's RMS for the backward (an earlier history module does not)
+            keeps_rms = "rms_out" in inspect.signature(history.sites_forward).parameters
             for s in (s for s in range(self.n_sites) if s % 8):
                 partial, addend, rows = self.source[s:s + 1], self.out[s], slice(s, s + 1)
                 if kind == "block_fwd":
                     state = self.out[s - 1:s]
 
                     def merge(s=s, partial=partial, addend=addend, rows=rows, state=state):
-                        kept = {"rms_out": self.kept_rms} if self.keeps_rms(kernels) else {}
+                        kept = {"rms_out": self.kept_rms} if keeps_rms else {}
                         history.sites_forward(partial, self.qg[rows], H, eps, self.merged, None, self.lse[rows],
                                               init=state, addend=addend, sum_out=self.summed,
                                               **self.norm_out(s, kernels), **kept)
@@ -220,7 +222,7 @@ class Step:
                 else:
                     def block_bwd(s=s, partial=partial, rows=rows):
                         # the partial sum's RMS as its merge kept it: here the statistic of its row, in rms[s]
-                        kept = {"rms": self.rms[rows]} if self.keeps_rms(kernels) else {}
+                        kept = {"rms": self.rms[rows]} if keeps_rms else {}
                         history.sites_backward(partial, self.grad_partial, self.out[s - 1:s], self.qg[rows], H, eps,
                                                self.grad_out[rows], self.lse[rows], self.delta[rows],
                                                out=self.out[s], **{"dqg": self.dqg[rows], **self.keep_grad(s, kernels)},
@@ -324,10 +326,6 @@ class Step:
         if self.in_place(kernels):
             return {"record": (self.table[s:s + 1], s * self.N * self.d)}
         return {"grad_copy": self.copy[s:s + 1]}
-
-    def keeps_rms(self, kernels) -> bool:
-        """Whether these kernels keep a block partial sum's RMS statistic from its merge for its backward."""
-        return "rms_out" in inspect.signature(kernels["history"].sites_forward).parameters
 
     def norm_out(self, s: int, kernels) -> dict:
         """With --norms, a merge's pre-norm written too."""

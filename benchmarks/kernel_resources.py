@@ -215,8 +215,8 @@ def row_bwd_rows(d: int, heads: int, stages: list[int], norms: bool, warps_list:
                         else (history.ROW_BWD_CONFIG, history.ROW_BWD_DEFAULT))
     for S in (0, 1):
         meta = {**head_meta(d, heads, has_b=True), "BLOCK_G": 1, "ACCUMULATE": S > 0, "COMPUTE_DELTA": True,
-                "COPY_GRAD": norms or not in_place, "RECORD": in_place, "WRITE_DQG": S > 0, "NORM": norms, "USE_RMS": S > 0,
-                "S": S}
+                "COPY_GRAD": norms or not in_place, "RECORD": in_place, "WRITE_DQG": S > 0, "NORM": norms,
+                "USE_RMS": S > 0, "S": S}
         cap, table = configs.get((d, heads), (default,) * 2)[S]
         fn = history._sites_bwd_kernel
         # a token's rows: the output gradient and the output, and with S = 1 the sum and the later gradient

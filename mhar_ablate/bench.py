@@ -48,7 +48,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -111,8 +111,7 @@ def _baseline(compiled: bool) -> Variant:
     return Variant("baseline", None, None, compiled)
 
 
-def all_variants(sites_per_pass: list[int | None], fold_norms: tuple[bool | None, ...] | list[bool | None] = (None,)
-                 ) -> list[Variant]:
+def all_variants(sites_per_pass: Sequence[int | None], fold_norms: Sequence[bool | None] = (None,)) -> list[Variant]:
     """Every kind of the registry, eager variants first, then compiled ones; the baseline first in each
     mode. A kind with a fused path gets full and block:4 grouping, each on the reference and the fused path
     (one fused row per sites-per-pass value, and per fold-norms value where the kind folds); the others get
@@ -131,7 +130,7 @@ def all_variants(sites_per_pass: list[int | None], fold_norms: tuple[bool | None
                 continue
             for grouping in ("full", "block:4"):
                 out.append(Variant(kind, grouping, "reference", compiled))
-                folds = fold_norms if cls.folds_norms else [None]
+                folds = fold_norms if cls.folds_norms else (None,)
                 out.extend(Variant(kind, grouping, "fused", compiled, g, f) for g in sites_per_pass for f in folds)
     return out
 

@@ -857,7 +857,7 @@ def write_slot(source: Tensor, slot: Tensor, rms: Tensor, eps: float, addend: Te
 def sites_forward(sources: Tensor, qg: Tensor, num_heads: int, eps: float, out: Tensor, rest: Tensor | None,
                   lse: Tensor, init: Tensor | None = None, rms: Tensor | None = None,
                   addend: Tensor | None = None, sum_out: Tensor | None = None,
-                  norm: "Norm | None" = None, rms_out: Tensor | None = None) -> None:
+                  norm: Norm | None = None, rms_out: Tensor | None = None) -> None:
     """Route ``sources`` (S, N, d), contiguous, for the G sites whose fused query·key-gain rows are ``qg``
     (G, d) fp32, a whole row at a time (a merge of one site with at most MERGE_MAX_S sources, at the shapes in
     MERGE_CONFIG, in ``_merge_fwd_kernel``; else one token a program). Writes site 0's normalised output to
@@ -909,7 +909,7 @@ MERGE_CONFIG: dict[tuple[int, int], tuple[int, int]] = {(1280, 8): (4, 2)}
 
 
 def _merge_forward(sources: Tensor, qg: Tensor, num_heads: int, eps: float, out: Tensor, lse: Tensor, init: Tensor,
-                   rms: Tensor | None, addend: Tensor | None, sum_out: Tensor | None, norm: "Norm | None",
+                   rms: Tensor | None, addend: Tensor | None, sum_out: Tensor | None, norm: Norm | None,
                    rms_out: Tensor | None) -> None:
     S, N, d = sources.shape
     meta = {**head_meta(d, num_heads, has_b=True), "S": S, "USE_RMS": rms is not None, "KEEP_RMS": rms_out is not None,

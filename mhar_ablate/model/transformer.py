@@ -283,7 +283,10 @@ class Decoder(nn.Module):
         for site, layer in enumerate(self.sublayers):
             # A residual kind may compute the sublayer's pre-norm in its own kernels (normed; else None).
             x, normed = self.residual.read_with_norm(state, site, layer.norm)
-            out = layer(x, cos, sin, cache, site // 2, normed=normed) if isinstance(layer, Attention) else layer(x, normed=normed)
+            if isinstance(layer, Attention):
+                out = layer(x, cos, sin, cache, site // 2, normed=normed)
+            else:
+                out = layer(x, normed=normed)
             self.residual.write(state, site, out)
         h = self.residual.finish(state)
         if static:
