@@ -460,12 +460,18 @@ def _sites_bwd_kernel(
             rdz = (dz * r)[:, :, None]
             w = tl.sum(tl.sum(dz * u, axis=1), axis=0) * (r * r * r / D)
             a = a[:, :, None]
-            ds_a = tl.sum(a * ga + rdz * qg_a, axis=0, keep_dims=True) - w * xa
+            if BLOCK_G == 1:
+                ds_a = a * ga + rdz * qg_a - w * xa
+            else:
+                ds_a = tl.sum(a * ga + rdz * qg_a, axis=0, keep_dims=True) - w * xa
             if ACCUMULATE:
                 ds_a += tl.load(base_ptr + at + col_a).to(tl.float32)
             tl.store(dsrc_ptr + at + col_a, ds_a.to(dsrc_ptr.dtype.element_ty), mask=(ja >= 0) & live)
             if HAS_B:
-                ds_b = tl.sum(a * gb + rdz * qg_b, axis=0, keep_dims=True) - w * xb
+                if BLOCK_G == 1:
+                    ds_b = a * gb + rdz * qg_b - w * xb
+                else:
+                    ds_b = tl.sum(a * gb + rdz * qg_b, axis=0, keep_dims=True) - w * xb
                 if ACCUMULATE:
                     ds_b += tl.load(base_ptr + at + col_b, mask=b_ok, other=0.0).to(tl.float32)
                 tl.store(dsrc_ptr + at + col_b, ds_b.to(dsrc_ptr.dtype.element_ty), mask=b_ok & live)
