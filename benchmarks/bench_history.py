@@ -1,11 +1,13 @@
-"""The shared forward pass (``history.history_forward``) by source count: its two forms, the reductions
-(one token and one head a program, every product a sum over lanes) and the matrix products
-(``_history_fwd_dot_kernel``), timed on the same inputs for each S, at a preset's width and tokens. Where
-one beats the other decides ``history.HISTORY_DOT_MIN_S``: `full` grouping's passes read up to 2 L + 1
-slots, `block:K`'s a few partial sums.
+"""The shared forward pass (``history.history_forward``) by source count: its forms, the reductions (a tile
+of tokens and one head a program, every product a sum over lanes), the matrix products
+(``_history_fwd_dot_kernel``, a token's sources in a tile) and, with ``--stacked``, the stacked products
+(``_history_fwd_stacked_kernel``, several tokens' sources in a tile, up to ``HISTORY_STACKED_MAX_S``
+sources), timed on the same inputs for each S, at a preset's width and tokens. Where one beats another
+decides ``history.HISTORY_DOT_MIN_S`` and ``HISTORY_STACKED_CONFIG``: `full` grouping's passes read up to
+2 L + 1 slots, `block:K`'s the blocks finished before the pass.
 
     PYTHONPATH=$PWD python3 benchmarks/bench_history.py --presets paper350m,paper1b,paper100m \\
-        --sources 2,4,8,12,16,24,32,48 --dot '16,1,3,32;16,1,3,64' --out $OUT
+        --sources 2,4,8,12,16,24,32,48 --dot '16,1,3,32;16,1,3,64' --stacked '32,1,3;32,1,2' --out $OUT
 
 Each call is replayed from a CUDA graph (median of 20). Bytes: the S sources and their RMS read, the G
 outputs and log-sum-exps written. "rel err": the norm of a form's outputs less the reductions' form's,
@@ -28,8 +30,11 @@ from mhar_ablate.config import RunConfig, load_preset
 from mhar_ablate.kernels import history
 
 
-def forms(dot_configs: list[tuple]) -> list[tuple[str, tuple | None]]:
-    return [("reductions", None)] + [(f"dot {c}", c) for c in dot_configs]
+def forms(dot_configs: list[tuple], stacked: list[tuple]) -> list[tuple[str, tuple | None, tuple | None]]:
+    """(label, HISTORY_DOT_CONFIG, HISTORY_STACKED_CONFIG) of each form timed, the reductions' first (a
+    stacked configuration applies up to HISTORY_STACKED_MAX_S sources; past that its row is the default's)."""
+    return ([("reductions", None, None)] + [(f"dot {c}", c, None) for c in dot_configs]
+            + [(f"stacked {c}", None, c) for c in stacked])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sources", default="2,4,8,12,16,24,32,48")
     p.add_argument("--dot", default="", help="'TOKENS,WARPS,STAGES,MAX_S;...': the matrix-product form's "
                    "configurations (default: the launch table's)")
+    p.add_argument("--stacked", default="", help="'TOKENS,WARPS,STAGES;...': the stacked products' form "
+                   "(several tokens' sources in a tile's rows; history.HISTORY_STACKED_CONFIG)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_history_out"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -48,8 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     device = torch.device("cuda")
     copy = copy_bandwidth(device)
-    saved = history.HISTORY_DOT_CONFIG, history.HISTORY_DOT_MIN_S
+    saved = history.HISTORY_DOT_CONFIG, history.HISTORY_DOT_MIN_S, history.HISTORY_STACKED_CONFIG
     dot_configs = parse_configs(args.dot, False) or [saved[0]]
+    stacked = parse_configs(args.stacked, False)
     H, G = args.heads, args.sites
     rows = []
     for preset in args.presets.split(","):
@@ -70,8 +78,11 @@ def main(argv: list[str] | None = None) -> int:
             src, rms = src_all[:S], rms_all[:S]
             nbytes = src.numel() * 2 + rms.numel() * 4 + G * N * d * 2 + lse.numel() * 4
             reference = None
-            for label, config in forms(dot_configs):
+            for label, config, stack in forms(dot_configs, stacked):
+                if stack is not None and S > history.HISTORY_STACKED_MAX_S:
+                    continue
                 history.HISTORY_DOT_CONFIG, history.HISTORY_DOT_MIN_S = config, (0, 0)
+                history.HISTORY_STACKED_CONFIG = stack
                 try:
                     def call():
                         history.history_forward(src, rms, qg, H, out0, rest, lse)
@@ -82,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                         reference = got.clone()
                     ms = graph_time(call)
                 finally:
-                    history.HISTORY_DOT_CONFIG, history.HISTORY_DOT_MIN_S = saved
+                    history.HISTORY_DOT_CONFIG, history.HISTORY_DOT_MIN_S, history.HISTORY_STACKED_CONFIG = saved
                 row = {"preset": preset, "d": d, "S": S, "form": label, "ms": round(ms, 4),
                        "of copy": round(nbytes / (ms * 1e-3) / copy, 3), "rel err": rel(got, reference)}
                 rows.append(row)
@@ -91,13 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.out, "bench_history.json"), "w") as f:
         json.dump({"copy_TBps": copy / 1e12, "rows": rows}, f, indent=1)
     print(f"copy {copy / 1e12:.2f} TB/s, {G} sites a pass, {H} heads; ms a call (share of copy)")
-    labels = [label for label, _ in forms(dot_configs)]
+    labels = [label for label, _, _ in forms(dot_configs, stacked)]
     table = []
     for (preset, S) in dict.fromkeys((r["preset"], r["S"]) for r in rows):
         cells = {r["form"]: r for r in rows if r["preset"] == preset and r["S"] == S}
         best = min(cells.values(), key=lambda r: r["ms"])["form"]
-        table.append([preset, str(S)] + [f"{cells[f]['ms']:.4f} ({cells[f]['of copy']:.0%})" for f in labels]
-                     + [best])
+        table.append([preset, str(S)] + [f"{cells[f]['ms']:.4f} ({cells[f]['of copy']:.0%})" if f in cells else "–"
+                                          for f in labels] + [best])
     print(markdown_table(["preset", "S", *labels, "fastest"], table))
     return 0
 

@@ -13,7 +13,7 @@ them, for example those of a commit REV:
 
     PYTHONPATH=$PWD python3 benchmarks/bench_kernels.py --presets paper350m,paper1b --out $OUT \\
         --column-configs '1,4,2;1,4,4' --two-slot-configs '1,2,0;1,2,3' --one-slot \\
-        --history-configs '4:1,1,6,2;4:2,1,3,2' --row-warps '2;8'
+        --history-configs '4:1,1,6,2;4:2,1,3,2' --stacked '32,1,3' --row-warps '2;8'
 
 Bytes per call (e = bytes of an element of the buffer, U = N·d·e one source):
 - write_slot: read the source and write the slot, 2 U, and the RMS (N fp32).
@@ -408,6 +408,9 @@ def main() -> int:
     p.add_argument("--history-dot", default="",
                    help="'TOKENS,WARPS,STAGES,MAX_S;...' for the head-tiled forward's matrix-product form "
                    "(--history-configs entries time its reductions' form)")
+    p.add_argument("--stacked", default="",
+                   help="'TOKENS,WARPS,STAGES;...' for the head-tiled forward's stacked products' form at few "
+                   "sources (history.HISTORY_STACKED_CONFIG)")
     p.add_argument("--history-tiles", default="",
                    help="'T;...': token tiles a program of the head-tiled forward's reductions' form walks "
                         "(0: as many as make its programs fit on the GPU at once)")
@@ -488,7 +491,7 @@ def main() -> int:
                  history.ROW_BWD_STAGES, (dict(history.ROW_BWD_CONFIG), dict(history.ROW_BWD_NORM_CONFIG)),
                 history.HISTORY_DOT_CONFIG,
                  column.GROUP_SLOTS, column_group.GROUP_CONFIG, column.GROUP_PASS_WEIGHT, column.GRADS_IN_PLACE,
-                 history.HISTORY_TILES, dict(history.MERGE_CONFIG))
+                 history.HISTORY_TILES, dict(history.MERGE_CONFIG), history.HISTORY_STACKED_CONFIG)
         variants = [("column", "prev", prev, None)] if prev is not None else []
         variants += [("column", f"col {c}", current, ("col", c)) for c in parse_configs(args.column_configs, False)]
         variants += [("column", f"two-slot {c}", current, ("two", c))
@@ -525,6 +528,8 @@ def main() -> int:
         variants += [(kind, f"fwd G{g} {c}", current, (g, c))
                      for g, c in parse_configs(args.history_configs, True) for kind in ("history_fwd", "block_history")]
         variants += [("history_fwd", f"fwd dot {c}", current, ("dot", c)) for c in parse_configs(args.history_dot, False)]
+        variants += [(kind, f"stacked {c}", current, ("stacked", c))
+                     for c in parse_configs(args.stacked, False) for kind in ("history_fwd", "block_history")]
 
         def apply(setting):
             if setting is None:
@@ -559,6 +564,8 @@ def main() -> int:
                     history.ROW_BWD_NORM_CONFIG = dict(history.ROW_BWD_CONFIG)
             elif what == "dot":
                 history.HISTORY_DOT_CONFIG = cfg
+            elif what == "stacked":
+                history.HISTORY_STACKED_CONFIG = cfg
             elif what == "merge":
                 history.MERGE_CONFIG = {(step.d, args.heads): cfg}
             elif what == "tiles":
@@ -577,6 +584,7 @@ def main() -> int:
             (column.GROUP_SLOTS, column_group.GROUP_CONFIG, column.GROUP_PASS_WEIGHT,
              column.GRADS_IN_PLACE) = saved[12:16]
             history.HISTORY_TILES, history.MERGE_CONFIG = saved[16], dict(saved[17])
+            history.HISTORY_STACKED_CONFIG = saved[18]
 
         if args.profile:
             import torch.cuda.nvtx as nvtx

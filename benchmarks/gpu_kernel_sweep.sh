@@ -12,7 +12,8 @@
 # (PROFILE_KINDS='column_groups,...': which kinds' largest calls; NCU_ARGS: more ncu options);
 # WRITE='TOKENS,WARPS;...' sweeps write_slot, ROWS='W;...' the row kernels' warps, TWO='TOKENS,WARPS,STAGES;...'
 # the column kernel's passes over two slots; ROWSTAGES='S[,CAP];...' the backward row kernel's pipeline depth;
-# DOT='TOKENS,WARPS,STAGES,MAX_S;...' the head-tiled forward's matrix-product form; ONE=1 times the
+# DOT='TOKENS,WARPS,STAGES,MAX_S;...' the head-tiled forward's matrix-product form, STACKED='TOKENS,WARPS,
+# STAGES;...' its stacked products' form (several tokens' sources in a tile, few sources); ONE=1 times the
 # column passes one slot a pass too; GROUPSLOTS='K;...' plans the column passes with group passes of at most K
 # slots (0: none), GROUPWEIGHTS='W;...' with a group pass's bytes counted W times,
 # GROUP='TOKENS,WARPS,STAGES,MAX_S[,HOLD];...' sweeps the group pass; OTHER=1 times the output gradients kept
@@ -47,7 +48,7 @@ fi
 bench() {  # $1: where its log and JSON go, then more options
   mkdir -p "$1"
   python3 benchmarks/bench_kernels.py --presets "${PRESETS:-paper350m}" --out "$1" ${PREV:+--prev "$PREV"} \
-    --column-configs "${COL:-}" --history-configs "${HIST:-}" --history-dot "${DOT:-}" --query-configs "${QUERY:-}" \
+    --column-configs "${COL:-}" --history-configs "${HIST:-}" --history-dot "${DOT:-}" --stacked "${STACKED:-}" --query-configs "${QUERY:-}" \
     --write-configs "${WRITE:-}" --row-warps "${ROWS:-}" --two-slot-configs "${TWO:-}" --row-stages "${ROWSTAGES:-}" \
     --group-slots "${GROUPSLOTS:-}" --group-weights "${GROUPWEIGHTS:-}" --group-configs "${GROUP:-}" \
     --merge-configs "${MERGE:-}" --history-tiles "${TILES:-}" ${ONE:+--one-slot} ${OTHER:+--other-grads} \

@@ -13,7 +13,8 @@ beside this machine's and put it first on the path:
 
 Rows: kernel, width d, launch configuration (the launch tables' entry for that width first; for the
 backward row kernel its pipeline depth and register cap; the shared pass's matrix-product form and the
-backward's group pass, ``--group-configs``, with the sources or sites in one tile and in several), warps,
+backward's group pass, ``--group-configs``, with the sources or sites in one tile and in several; the
+stacked products' form at 4 and 8 sources, ``--stacked-configs``), warps,
 registers, stack, shared memory, conversions in the loop, SASS instructions of the loop (the longest one
 closed by a backward branch) and those per byte of the rows one iteration of a warp reads. ``--portable``
 compiles the forms the interpreter runs instead of the inline PTX (``kernels/ptx.py``); ``--only
@@ -180,6 +181,26 @@ def history_dot_rows(d: int, heads: int, block_g: int, configs: list[tuple], use
     return out
 
 
+def stacked_rows(d: int, heads: int, block_g: int, configs: list[tuple], use_ptx: bool) -> list[dict]:
+    """The shared pass's stacked products' form (several tokens' sources in a tile's 16 rows) at the table's
+    configuration if set and ``configs`` (TOKENS, WARPS, STAGES), for 4 and 8 sources: four tokens a tile
+    and two."""
+    out = []
+    meta = head_meta(d, heads, has_b=True)
+    if not products_fit(meta):
+        return out
+    table = [history.HISTORY_STACKED_CONFIG[1:]] if history.HISTORY_STACKED_CONFIG else []
+    for warps, stages in table + [c[1:] for c in configs if c[1:] not in table]:
+        for S in (4, 8):
+            tokens, rows = history.stacked_tile(S, block_g)
+            fn_meta = {**meta, "BLOCK_G": block_g, "T": tokens, "SP": rows, "STAGES": stages, "PTX": use_ptx}
+            fn = history._history_fwd_stacked_kernel
+            loop_bytes = tokens * S * (d // heads) * 2  # a tile's sources, one head of bf16 rows
+            out.append(row(f"{fn.fn.__name__} (S = {S}: {tokens} tokens a tile)", d, (warps, stages), warps,
+                           compile_for_sm90(fn, fn_meta, warps), loop_bytes))
+    return out
+
+
 def group_rows(d: int, heads: int, configs: list[tuple], use_ptx: bool) -> list[dict]:
     """The backward by source over a group of slots (``column_group``) at the table's configuration and
     ``configs`` (TOKENS, WARPS, STAGES, MAX_S[, HOLD]), for groups of 16 slots, with a pass's sites in one
@@ -273,9 +294,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="'TOKENS,WARPS,STAGES,SOURCES;...' for the head-tiled forward, beside the table's entry")
     p.add_argument("--history-dot", default="",
                    help="'TOKENS,WARPS,STAGES,MAX_S;...' for the head-tiled forward's matrix-product form")
+    p.add_argument("--stacked-configs", default="1,1,3;1,1,2",
+                   help="'TOKENS,WARPS,STAGES;...' for the head-tiled forward's stacked products' form (TOKENS "
+                   "does not change what compiles)")
     p.add_argument("--group-configs", default="",
                    help="'TOKENS,WARPS,STAGES,MAX_S[,HOLD];...' for the group pass of the backward by source")
-    p.add_argument("--only", default="", help="'column,history,dot,group,query,row,merge': these kernels' rows only")
+    p.add_argument("--only", default="", help="'column,history,dot,stacked,group,query,row,merge': these kernels' rows only")
     p.add_argument("--query-configs", default="",
                    help="'SITES,TOKENS,WARPS,STAGES,PER_SM;...' for the query gradients, beside the table's")
     p.add_argument("--row-stages", default="1,3", help="'STAGES,...': the backward row kernel's pipeline depths")
@@ -295,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     query_configs = [tuple(int(v) for v in c.split(",")) for c in args.query_configs.split(";") if c.strip()]
     dot_configs = [tuple(int(v) for v in c.split(",")) for c in args.history_dot.split(";") if c.strip()]
     group_configs = [tuple(int(v) for v in c.split(",")) for c in args.group_configs.split(";") if c.strip()]
+    stacked_configs = [tuple(int(v) for v in c.split(",")) for c in args.stacked_configs.split(";") if c.strip()]
     block_g = triton.next_power_of_2(args.sites_per_pass)
     ptx_forms = not args.portable
     from mhar_ablate.model.residual import fused
@@ -304,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         "column": lambda d: column_rows(d, args.heads, configs, ptx_forms),
         "history": lambda d: history_rows(d, args.heads, block_g, fwd_configs, ptx_forms),
         "dot": lambda d: history_dot_rows(d, args.heads, block_g, dot_configs, ptx_forms),
+        "stacked": lambda d: stacked_rows(d, args.heads, block_g, stacked_configs, ptx_forms),
         "group": lambda d: group_rows(d, args.heads, group_configs, ptx_forms),
         "query": lambda d: query_rows(d, args.heads, query_configs),
         "row": lambda d: row_bwd_rows(d, args.heads, [int(v) for v in args.row_stages.split(",") if v.strip()],

@@ -120,6 +120,25 @@ def test_fused_matches_reference_with_group_passes(monkeypatch):
 
 
 @pytest.mark.parametrize("grouping", ["full", "block:2"])
+def test_fused_matches_reference_with_stacked_shared_passes(grouping, monkeypatch):
+    """The shared passes (groups of four sites) in the stacked products' form (several tokens' sources in a
+    tile's rows, ``history.HISTORY_STACKED_CONFIG``), at a head width split 32 + 16."""
+    from mhar_ablate.kernels import history
+
+    monkeypatch.setattr(history, "HISTORY_STACKED_CONFIG", (32, 1, 3))
+    calls, real_launch = [], history.launch
+
+    def launch(kernel, grid, args, meta, device):
+        calls.append(kernel.fn.__name__)
+        real_launch(kernel, grid, args, meta, device)
+
+    monkeypatch.setattr(history, "launch", launch)
+    ref, fused_model = _pair("mhar", grouping, 2, 96, 3, 4)
+    _assert_same(ref, fused_model)
+    assert "_history_fwd_stacked_kernel" in calls and "_history_fwd_kernel" not in calls
+
+
+@pytest.mark.parametrize("grouping", ["full", "block:2"])
 def test_sublayer_norms_are_computed_in_the_routing_kernels(grouping, monkeypatch):
     """Folded (the model's ``fold_norms``, from ``fused.FOLD_NORMS`` when it is built), every sublayer's
     pre-norm runs inside the site's kernels (the merge's or its own row pass forward, the prologue backward),

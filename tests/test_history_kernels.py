@@ -67,6 +67,35 @@ def test_shared_pass_products_match_the_reference(monkeypatch, S, N, d, H, G, to
     _check_shared_pass(S, N, d, H, G)
 
 
+@pytest.mark.parametrize("S,N,d,H,G", [
+    (5, 7, 96, 2, 3),  # head width 48 = 32 + 16; two tokens of 8 rows a tile, the last tile overlapping
+    (3, 9, 64, 2, 4),  # four tokens of 4 rows a tile: nine tokens in three tiles, two programs
+    (1, 5, 160, 1, 4),  # one source; one head of 160 = 128 + 32
+    (2, 11, 64, 2, 2),  # two sites: eight tokens of 2 rows a tile
+    (8, 6, 64, 2, 9),  # nine sites padded to 16: one token of 16 rows a tile
+    (2, 5, 64, 2, 2),  # fewer tokens than a tile holds: the reductions' form instead
+])
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_shared_pass_stacked_products_match_the_reference(monkeypatch, S, N, d, H, G, tiles):
+    """The products' form with several tokens' sources in one tile's rows: block-diagonal weights, each
+    (site, token) its own softmax over its rows, the padded rows and sites masked, a program's tiles, the
+    last tile ending at the last token (it overlaps the one before and writes the same values again)."""
+    monkeypatch.setattr(history, "HISTORY_STACKED_CONFIG", (32, 1, 3))
+    monkeypatch.setattr(history, "_INTERPRETER_STACKED_TILES", tiles)
+    block_g = history._block_g(G)
+    tokens, rows = history.stacked_tile(S, block_g)
+    assert tokens * rows == 16 and tokens * block_g <= 16 and rows >= S
+    calls, real_launch = [], history.launch
+
+    def launch(kernel, grid, args, meta, device):
+        calls.append(kernel)
+        real_launch(kernel, grid, args, meta, device)
+
+    monkeypatch.setattr(history, "launch", launch)
+    _check_shared_pass(S, N, d, H, G)
+    assert calls == [history._history_fwd_stacked_kernel if N >= tokens else history._history_fwd_kernel]
+
+
 def _check_shared_pass(S, N, d, H, G):
     src, qg, _ = _inputs(S, N, d, G, seed=S * 100 + N)
     refs = [_route(src.double(), qg[k].double(), H) for k in range(G)]

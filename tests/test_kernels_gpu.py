@@ -223,15 +223,18 @@ HISTORY_SHAPES = [  # S, N, d, H, G
     (33, 19, 1024, 8, 8),
     (6, 40, 512, 8, 2),
     (73, 21, 1280, 8, 4),  # paper1b's longest pass: running softmax over tiles, with the split head
+    (3, 45, 1024, 8, 4),  # block:4's early passes: the stacked form's four tokens a tile
+    (8, 29, 1280, 8, 4),  # two tokens of eight sources a tile, with the split head
 ]
 
 
-# The shared pass's forms: the reductions' (2 or 4 sources an iteration, whatever the launch table picks) and
-# the matrix products' (TOKENS, WARPS, STAGES, MAX_S: tiles of 16 sources, so that S = 33 and 73 take the
-# running softmax over several tiles; 32 and 64, one tile for most S; a program's tokens leaving the last
-# program part-filled; "table": the launch table's own).
+# The shared pass's forms: the reductions' (2 or 4 sources an iteration, whatever the launch table picks); the
+# matrix products' (TOKENS, WARPS, STAGES, MAX_S: tiles of 16 sources, so that S = 33 and 73 take the running
+# softmax over several tiles; 32 and 64, one tile for most S; a program's tokens leaving the last program
+# part-filled; "table": the launch table's own); and the stacked products' (TOKENS, WARPS, STAGES: several
+# tokens' sources in a tile's rows, at S <= 8 where heads fit ``tl.dot``; other passes take the table's forms).
 HISTORY_FORMS = [("reductions", 2), ("reductions", 4), ("dot", (16, 1, 3, 16)), ("dot", "table"),
-                 ("dot", (5, 1, 2, 64))]
+                 ("dot", (5, 1, 2, 64)), ("stacked", (32, 1, 3)), ("stacked", (12, 1, 2))]
 
 
 @dtypes
@@ -245,6 +248,8 @@ def test_history_forward_matches_float64(dtype, S, N, d, H, G, form, monkeypatch
         table = {k: {g: (*cfg[:3], config) for g, cfg in by_g.items()} for k, by_g in history.HISTORY_CONFIG.items()}
         monkeypatch.setattr(history, "HISTORY_CONFIG", table)
         monkeypatch.setattr(history, "HISTORY_DOT_CONFIG", None)
+    elif kind == "stacked":
+        monkeypatch.setattr(history, "HISTORY_STACKED_CONFIG", config)
     else:
         if config != "table":
             monkeypatch.setattr(history, "HISTORY_DOT_CONFIG", config)

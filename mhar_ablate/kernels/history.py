@@ -21,10 +21,12 @@ Two families of kernels:
   accumulators for a whole row would fill the register file (measured on the H200: a shared pass of 8
   sites over full rows took 53 ms a step against 25 ms for one pass per site); a head's [G, d/H] tile is
   the size of one site's row. The RMS statistic spans all heads, so these kernels read it from ``rms``
-  (written once per source by ``write_slot``). Two forms: for a token, G sites over S sources is a small
+  (written once per source by ``write_slot``). Three forms: for a token, G sites over S sources is a small
   attention whose two products run on tensor cores (``_history_fwd_dot_kernel``, from
-  ``HISTORY_DOT_MIN_S`` sources on, heads wide enough for ``tl.dot``); fewer sources, or narrow heads,
-  take token tiles with every product a sum across lanes (``_history_fwd_kernel``).
+  ``HISTORY_DOT_MIN_S`` sources on, heads wide enough for ``tl.dot``); the same products over several
+  tokens' sources at once where S is small (``_history_fwd_stacked_kernel``, where
+  ``HISTORY_STACKED_CONFIG`` is set); fewer sources, or narrow heads, take token tiles with every product a
+  sum across lanes (``_history_fwd_kernel``).
 
 Math (per site k, r = rsqrt(mean_c s_c^2 + eps), u_k = <s_h, qg_k,h>, z = r u):
 
@@ -723,6 +725,84 @@ def _history_fwd_dot_kernel(
             tl.store(lse_ptr + kk * N * H + tok * H + head, m + tl.log(l), mask=kk < G)
 
 
+# The matrix products' form for few sources: the rows of one tile are several tokens' sources (T tokens of
+# SP >= S rows each, T SP = 16 rows: ``stacked_tile``), so that a pass over 1 to 8 sources fills the products
+# that ``_history_fwd_dot_kernel`` would pad to 16 sources a token. Scores Z [sites, (t, s)] = Q X^T
+# as there; each (site, token) takes the softmax over its own SP columns, and the outputs of a tile's T
+# tokens are one product of a block-diagonal weight matrix W [(t, k), (t', s)] = [t = t'] p_k(t', s) with
+# the tile's rows, [(t, k), head]: its accumulator holds T BLOCK_G rows, not twice HALF per token. The
+# weights' fp32 goes in two products (hi, then lo, into one accumulator). A program (one warp) walks
+# consecutive tiles of its head, the next tiles' rows copied into shared memory while one is reduced.
+@triton.jit(do_not_specialize=["N", "S", "G", "tiles_per_program"])
+def _history_fwd_stacked_kernel(
+    src_ptr, rms_ptr, qg_ptr, out0_ptr, rest_ptr, lse_ptr,
+    N, S, G, stride_s, tiles_per_program,
+    D: tl.constexpr, H: tl.constexpr, DH: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
+    BLOCK_DB: tl.constexpr, HAS_B: tl.constexpr, BLOCK_G: tl.constexpr, SP: tl.constexpr, T: tl.constexpr,
+    STAGES: tl.constexpr, PTX: tl.constexpr,
+):
+    head = tl.program_id(1)
+    first_tile = tl.program_id(0).to(tl.int64) * tiles_per_program
+    _, _, col_a, col_b, b_ok = head_columns(head, DH, DA, DB, BLOCK_DB)
+    dt = src_ptr.dtype.element_ty
+    PREC: tl.constexpr = "ieee" if dt == tl.float32 else "tf32"  # (tf32: ignored for 16-bit operands)
+    # The query operand [2 BLOCK_G, .]: row i holds site i % BLOCK_G, its hi part in the first half, its lo
+    # part in the second.
+    i = tl.arange(0, 2 * BLOCK_G)[:, None]
+    q_site = (i % BLOCK_G) * D
+    q_hi, q_lo = split(tl.load(qg_ptr + q_site + col_a, mask=i % BLOCK_G < G, other=0.0), dt)
+    q_a = tl.where(i < BLOCK_G, q_hi, q_lo)
+    q_b = tl.zeros([2 * BLOCK_G, BLOCK_DB], dt)  # (a placeholder without HAS_B)
+    if HAS_B:
+        q_hi, q_lo = split(tl.load(qg_ptr + q_site + col_b, mask=(i % BLOCK_G < G) & b_ok, other=0.0), dt)
+        q_b = tl.where(i < BLOCK_G, q_hi, q_lo)
+    # A tile's rows: token t = r // SP, source s = r % SP; their offsets in the first tile (a tile's are these
+    # plus its first token's row).
+    r = tl.arange(0, T * SP)
+    r_tok = r // SP
+    r_src = r % SP
+    src_ok = r_src < S
+    x_rows = src_ptr + (r_src.to(tl.int64) * stride_s + r_tok * D)[:, None]
+    rms_rows = rms_ptr + r_src.to(tl.int64) * N + r_tok
+    # The outputs' rows: token j // BLOCK_G, site j % BLOCK_G (site 0's in out0, the others' in rest).
+    j = tl.arange(0, T * BLOCK_G)
+    j_tok = j // BLOCK_G
+    j_site = j % BLOCK_G
+    out_rows = tl.where(j_site == 0, out0_ptr, rest_ptr + (j_site.to(tl.int64) - 1) * N * D) + j_tok * D
+    lse_rows = lse_ptr + j_site.to(tl.int64) * N * H + j_tok * H + head
+    live = j_site < G
+    same = tl.arange(0, T)[:, None, None, None] == tl.arange(0, T)[None, None, :, None]  # [T, 1, T, 1]
+    for it in tl.range(0, tiles_per_program, num_stages=STAGES):
+        # The last tile ends at the last token (N >= T): it overlaps the tile before and stores the same values
+        # again, so that no load or store needs a token mask. Tiles past it repeat it.
+        tok0 = tl.minimum((first_tile + it) * T, N - T)
+        x_a = tl.load(x_rows + tok0 * D + col_a, mask=src_ok[:, None], other=0.0)  # [T SP, DA]
+        u = tl.dot(q_a, tl.trans(x_a), input_precision=PREC)  # [2 BLOCK_G, T SP]
+        x_b = x_a
+        if HAS_B:
+            x_b = tl.load(x_rows + tok0 * D + col_b, mask=src_ok[:, None] & b_ok, other=0.0)
+            u = tl.dot(q_b, tl.trans(x_b), u, input_precision=PREC)
+        rs = tl.load(rms_rows + tok0, mask=src_ok, other=0.0)
+        z = tl.where(src_ok[None, :], sum_halves(u) * rs[None, :], float("-inf"))  # [BLOCK_G, T SP]
+        z = tl.reshape(z, [BLOCK_G, T, SP])
+        m = tl.max(z, axis=2)  # (finite: a token has at least one source)
+        p = ptx.exp(z - m[:, :, None], PTX)  # [BLOCK_G, T, SP]
+        l = tl.sum(p, axis=2)  # [BLOCK_G, T]
+        w = tl.reshape(tl.where(same, p[None, :, :, :], 0.0), [T * BLOCK_G, T * SP])
+        w_hi, w_lo = split(w, dt)
+        acc_a = tl.dot(w_hi, x_a, input_precision=PREC)  # [T BLOCK_G, DA]
+        acc_a = tl.dot(w_lo, x_a, acc_a, input_precision=PREC)
+        inv_l = tl.reshape(tl.trans(1.0 / l), [T * BLOCK_G])[:, None]
+        at = out_rows + tok0 * D
+        tl.store(at[:, None] + col_a, (acc_a * inv_l).to(out0_ptr.dtype.element_ty), mask=live[:, None])
+        if HAS_B:
+            acc_b = tl.dot(w_hi, x_b, input_precision=PREC)
+            acc_b = tl.dot(w_lo, x_b, acc_b, input_precision=PREC)
+            tl.store(at[:, None] + col_b, (acc_b * inv_l).to(out0_ptr.dtype.element_ty), mask=live[:, None] & b_ok)
+        lse = tl.reshape(tl.trans(m + tl.log(l)), [T * BLOCK_G])
+        tl.store(lse_rows + tok0 * H, lse, mask=live)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Host functions
 # ----------------------------------------------------------------------------------------------------------
@@ -961,6 +1041,47 @@ def _history_dot_forward(sources: Tensor, rms: Tensor, qg: Tensor, meta: dict, o
            (sources, rms, qg, out, rest, lse, N, S, G, N * d, tokens), meta, sources.device)
 
 
+# The stacked products' form (``_history_fwd_stacked_kernel``), where a head's blocks are wide enough for
+# ``tl.dot``, for passes over at most HISTORY_STACKED_MAX_S sources (a tile's 16 rows hold at least two tokens'
+# sources there; a pass over more, or over fewer tokens than a tile holds, takes the matrix products' or the
+# reductions' form): tokens a program, warps,
+# pipeline stages. None: not used. Compiled for sm_90 (benchmarks/kernel_resources.py --only stacked; docs/
+# benchmarks.md "nineteenth round"), its loop issues 0.12-0.15 instructions a byte read, a warp, at d = 1024 and
+# 1280 against the reductions' form's 0.84 and 0.64 (0.19-0.21 against 1.15 at d = 512); not yet timed on the
+# GPU, hence off. On the interpreter: two tiles a program, so that tests walk a program's tiles and the last
+# tile overlapping the one before.
+HISTORY_STACKED_CONFIG: tuple[int, int, int] | None = None
+HISTORY_STACKED_MAX_S = 8
+_INTERPRETER_STACKED_TILES = 2
+
+
+def stacked_tile(S: int, block_g: int) -> tuple[int, int]:
+    """The stacked form's tile for S sources and ``block_g`` (padded) sites: tokens T and rows a token SP,
+    T SP = 16 rows (a product's depth), T BLOCK_G <= 16 accumulator rows."""
+    tokens = max(1, min(16 // block_g, 16 // triton.next_power_of_2(max(S, 1))))
+    return tokens, 16 // tokens
+
+
+def _history_stacked_forward(sources: Tensor, rms: Tensor, qg: Tensor, meta: dict, out: Tensor, rest: Tensor,
+                             lse: Tensor) -> None:
+    S, N, d = sources.shape
+    G = qg.shape[0]
+    block_g = _block_g(G)
+    tokens, rows = stacked_tile(S, block_g)
+    cpu = sources.device.type == "cpu"
+    if cpu:
+        tiles_per_program = _INTERPRETER_STACKED_TILES
+    else:
+        per_program, warps, stages = HISTORY_STACKED_CONFIG
+        tiles_per_program = max(1, per_program // tokens)
+        meta.update(num_warps=warps, STAGES=stages)
+    meta.update(BLOCK_G=block_g, T=tokens, SP=rows, PTX=ptx.use_ptx(sources.device))
+    meta.setdefault("STAGES", 1)
+    programs = triton.cdiv(triton.cdiv(N, tokens), tiles_per_program)
+    launch(_history_fwd_stacked_kernel, (programs, meta["H"]),
+           (sources, rms, qg, out, rest, lse, N, S, G, N * d, tiles_per_program), meta, sources.device)
+
+
 def history_forward(sources: Tensor, rms: Tensor, qg: Tensor, num_heads: int, out: Tensor, rest: Tensor,
                     lse: Tensor) -> None:
     """``sites_forward`` for G > 1 sites, tiled by head: reads the sources' RMS from ``rms`` (S, N)."""
@@ -970,6 +1091,10 @@ def history_forward(sources: Tensor, rms: Tensor, qg: Tensor, num_heads: int, ou
         return
     block_g = _block_g(G)
     meta = head_meta(d, num_heads, has_b=True)
+    if HISTORY_STACKED_CONFIG is not None and products_fit(meta) and 1 <= S <= HISTORY_STACKED_MAX_S \
+            and block_g <= 16 and N >= stacked_tile(S, block_g)[0]:
+        _history_stacked_forward(sources, rms, qg, meta, out, rest, lse)
+        return
     if HISTORY_DOT_CONFIG is not None and products_fit(meta) and S >= max(1, HISTORY_DOT_MIN_S[meta["HAS_B"]]):
         _history_dot_forward(sources, rms, qg, meta, out, rest, lse)
         return
