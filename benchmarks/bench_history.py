@@ -1,13 +1,14 @@
 """The shared forward pass (``history.history_forward``) by source count: its forms, the reductions (a tile
 of tokens and one head a program, every product a sum over lanes), the matrix products
 (``_history_fwd_dot_kernel``, a token's sources in a tile) and, with ``--stacked``, the stacked products
-(``_history_fwd_stacked_kernel``, several tokens' sources in a tile, up to ``HISTORY_STACKED_MAX_S``
-sources), timed on the same inputs for each S, at a preset's width and tokens. Where one beats another
-decides ``history.HISTORY_DOT_MIN_S`` and ``HISTORY_STACKED_CONFIG``: `full` grouping's passes read up to
-2 L + 1 slots, `block:K`'s the blocks finished before the pass.
+(``_history_fwd_stacked_kernel``, several tokens' sources in a tile, up to half its rows), timed on the same
+inputs for each S, at a preset's width and tokens. Where one beats another decides
+``history.HISTORY_DOT_MIN_S`` and ``HISTORY_STACKED_CONFIG``: `full` grouping's passes read up to 2 L + 1
+slots, `block:K`'s the blocks finished before the pass.
 
     PYTHONPATH=$PWD python3 benchmarks/bench_history.py --presets paper350m,paper1b,paper100m \\
-        --sources 2,4,8,12,16,24,32,48 --dot '16,1,3,32;16,1,3,64' --stacked '32,1,3;32,1,2' --out $OUT
+        --sources 2,4,8,12,16,24,32,48 --dot '16,1,3,32;16,1,3,64' \\
+        --stacked '32,1,3,16;32,1,2,16;32,1,3,32' --out $OUT
 
 Each call is replayed from a CUDA graph (median of 20). Bytes: the S sources and their RMS read, the G
 outputs and log-sum-exps written. "rel err": the norm of a form's outputs less the reductions' form's,
@@ -32,7 +33,7 @@ from mhar_ablate.kernels import history
 
 def forms(dot_configs: list[tuple], stacked: list[tuple]) -> list[tuple[str, tuple | None, tuple | None]]:
     """(label, HISTORY_DOT_CONFIG, HISTORY_STACKED_CONFIG) of each form timed, the reductions' first (a
-    stacked configuration applies up to HISTORY_STACKED_MAX_S sources; past that its row is the default's)."""
+    stacked configuration applies up to half its rows' sources; past that no row is timed)."""
     return ([("reductions", None, None)] + [(f"dot {c}", c, None) for c in dot_configs]
             + [(f"stacked {c}", None, c) for c in stacked])
 
@@ -45,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sources", default="2,4,8,12,16,24,32,48")
     p.add_argument("--dot", default="", help="'TOKENS,WARPS,STAGES,MAX_S;...': the matrix-product form's "
                    "configurations (default: the launch table's)")
-    p.add_argument("--stacked", default="", help="'TOKENS,WARPS,STAGES;...': the stacked products' form "
-                   "(several tokens' sources in a tile's rows; history.HISTORY_STACKED_CONFIG)")
+    p.add_argument("--stacked", default="", help="'TOKENS,WARPS,STAGES,ROWS;...': the stacked products' form "
+                   "(several tokens' sources in a tile's 16 or 32 rows; history.HISTORY_STACKED_CONFIG)")
     p.add_argument("--out", default=os.environ.get("OUT", "bench_history_out"))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             nbytes = src.numel() * 2 + rms.numel() * 4 + G * N * d * 2 + lse.numel() * 4
             reference = None
             for label, config, stack in forms(dot_configs, stacked):
-                if stack is not None and S > history.HISTORY_STACKED_MAX_S:
+                if stack is not None and S > stack[3] // 2:
                     continue
                 history.HISTORY_DOT_CONFIG, history.HISTORY_DOT_MIN_S = config, (0, 0)
                 history.HISTORY_STACKED_CONFIG = stack

@@ -13,7 +13,7 @@ them, for example those of a commit REV:
 
     PYTHONPATH=$PWD python3 benchmarks/bench_kernels.py --presets paper350m,paper1b --out $OUT \\
         --column-configs '1,4,2;1,4,4' --two-slot-configs '1,2,0;1,2,3' --one-slot \\
-        --history-configs '4:1,1,6,2;4:2,1,3,2' --stacked '32,1,3' --row-warps '2;8'
+        --history-configs '4:1,1,6,2;4:2,1,3,2' --stacked '32,1,3,16' --row-warps '2;8'
 
 Bytes per call (e = bytes of an element of the buffer, U = N·d·e one source):
 - write_slot: read the source and write the slot, 2 U, and the RMS (N fp32).
@@ -409,8 +409,8 @@ def main() -> int:
                    help="'TOKENS,WARPS,STAGES,MAX_S;...' for the head-tiled forward's matrix-product form "
                    "(--history-configs entries time its reductions' form)")
     p.add_argument("--stacked", default="",
-                   help="'TOKENS,WARPS,STAGES;...' for the head-tiled forward's stacked products' form at few "
-                   "sources (history.HISTORY_STACKED_CONFIG)")
+                   help="'TOKENS,WARPS,STAGES,ROWS;...' for the head-tiled forward's stacked products' form at "
+                   "few sources (history.HISTORY_STACKED_CONFIG)")
     p.add_argument("--history-tiles", default="",
                    help="'T;...': token tiles a program of the head-tiled forward's reductions' form walks "
                         "(0: as many as make its programs fit on the GPU at once)")

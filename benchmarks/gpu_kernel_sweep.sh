@@ -13,7 +13,7 @@
 # WRITE='TOKENS,WARPS;...' sweeps write_slot, ROWS='W;...' the row kernels' warps, TWO='TOKENS,WARPS,STAGES;...'
 # the column kernel's passes over two slots; ROWSTAGES='S[,CAP];...' the backward row kernel's pipeline depth;
 # DOT='TOKENS,WARPS,STAGES,MAX_S;...' the head-tiled forward's matrix-product form, STACKED='TOKENS,WARPS,
-# STAGES;...' its stacked products' form (several tokens' sources in a tile, few sources); ONE=1 times the
+# STAGES,ROWS;...' its stacked products' form (several tokens' sources in a tile, few sources); ONE=1 times the
 # column passes one slot a pass too; GROUPSLOTS='K;...' plans the column passes with group passes of at most K
 # slots (0: none), GROUPWEIGHTS='W;...' with a group pass's bytes counted W times,
 # GROUP='TOKENS,WARPS,STAGES,MAX_S[,HOLD];...' sweeps the group pass; OTHER=1 times the output gradients kept

@@ -182,22 +182,22 @@ def history_dot_rows(d: int, heads: int, block_g: int, configs: list[tuple], use
 
 
 def stacked_rows(d: int, heads: int, block_g: int, configs: list[tuple], use_ptx: bool) -> list[dict]:
-    """The shared pass's stacked products' form (several tokens' sources in a tile's 16 rows) at the table's
-    configuration if set and ``configs`` (TOKENS, WARPS, STAGES), for 4 and 8 sources: four tokens a tile
-    and two."""
+    """The shared pass's stacked products' form (several tokens' sources in a tile's rows) at the table's
+    configuration if set and ``configs`` (TOKENS, WARPS, STAGES, ROWS), at a quarter and half as many sources as
+    the tile has rows (four tokens a tile and two, at four sites)."""
     out = []
     meta = head_meta(d, heads, has_b=True)
     if not products_fit(meta):
         return out
     table = [history.HISTORY_STACKED_CONFIG[1:]] if history.HISTORY_STACKED_CONFIG else []
-    for warps, stages in table + [c[1:] for c in configs if c[1:] not in table]:
-        for S in (4, 8):
-            tokens, rows = history.stacked_tile(S, block_g)
-            fn_meta = {**meta, "BLOCK_G": block_g, "T": tokens, "SP": rows, "STAGES": stages, "PTX": use_ptx}
+    for warps, stages, rows in table + [c[1:] for c in configs if c[1:] not in table]:
+        for S in (rows // 4, rows // 2):
+            tokens, per_token = history.stacked_tile(S, block_g, rows)
+            fn_meta = {**meta, "BLOCK_G": block_g, "T": tokens, "SP": per_token, "STAGES": stages, "PTX": use_ptx}
             fn = history._history_fwd_stacked_kernel
             loop_bytes = tokens * S * (d // heads) * 2  # a tile's sources, one head of bf16 rows
-            out.append(row(f"{fn.fn.__name__} (S = {S}: {tokens} tokens a tile)", d, (warps, stages), warps,
-                           compile_for_sm90(fn, fn_meta, warps), loop_bytes))
+            out.append(row(f"{fn.fn.__name__} (S = {S}: {tokens} tokens a tile of {rows})", d, (warps, stages),
+                           warps, compile_for_sm90(fn, fn_meta, warps), loop_bytes))
     return out
 
 
@@ -294,12 +294,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="'TOKENS,WARPS,STAGES,SOURCES;...' for the head-tiled forward, beside the table's entry")
     p.add_argument("--history-dot", default="",
                    help="'TOKENS,WARPS,STAGES,MAX_S;...' for the head-tiled forward's matrix-product form")
-    p.add_argument("--stacked-configs", default="1,1,3;1,1,2",
-                   help="'TOKENS,WARPS,STAGES;...' for the head-tiled forward's stacked products' form (TOKENS "
-                   "does not change what compiles)")
+    p.add_argument("--stacked-configs", default="1,1,3,16;1,1,2,16;1,1,3,32",
+                   help="'TOKENS,WARPS,STAGES,ROWS;...' for the head-tiled forward's stacked products' form "
+                   "(TOKENS does not change what compiles)")
     p.add_argument("--group-configs", default="",
                    help="'TOKENS,WARPS,STAGES,MAX_S[,HOLD];...' for the group pass of the backward by source")
-    p.add_argument("--only", default="", help="'column,history,dot,stacked,group,query,row,merge': these kernels' rows only")
+    p.add_argument("--only", default="",
+                   help="'column,history,dot,stacked,group,query,row,merge': these kernels' rows only")
     p.add_argument("--query-configs", default="",
                    help="'SITES,TOKENS,WARPS,STAGES,PER_SM;...' for the query gradients, beside the table's")
     p.add_argument("--row-stages", default="1,3", help="'STAGES,...': the backward row kernel's pipeline depths")

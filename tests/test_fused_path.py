@@ -125,7 +125,7 @@ def test_fused_matches_reference_with_stacked_shared_passes(grouping, monkeypatc
     tile's rows, ``history.HISTORY_STACKED_CONFIG``), at a head width split 32 + 16."""
     from mhar_ablate.kernels import history
 
-    monkeypatch.setattr(history, "HISTORY_STACKED_CONFIG", (32, 1, 3))
+    monkeypatch.setattr(history, "HISTORY_STACKED_CONFIG", (32, 1, 3, 16))
     calls, real_launch = [], history.launch
 
     def launch(kernel, grid, args, meta, device):

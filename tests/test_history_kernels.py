@@ -72,19 +72,20 @@ def test_shared_pass_products_match_the_reference(monkeypatch, S, N, d, H, G, to
     (3, 9, 64, 2, 4),  # four tokens of 4 rows a tile: nine tokens in three tiles, two programs
     (1, 5, 160, 1, 4),  # one source; one head of 160 = 128 + 32
     (2, 11, 64, 2, 2),  # two sites: eight tokens of 2 rows a tile
-    (8, 6, 64, 2, 9),  # nine sites padded to 16: one token of 16 rows a tile
-    (2, 5, 64, 2, 2),  # fewer tokens than a tile holds: the reductions' form instead
+    (8, 6, 64, 2, 9),  # nine sites padded to 16: one token a tile
+    (12, 5, 96, 2, 4),  # 12 sources: two tokens of 16 rows in a tile of 32 (another form with tiles of 16)
+    (2, 5, 64, 2, 2),  # fewer tokens than a tile holds: another form instead
 ])
-@pytest.mark.parametrize("tiles", [1, 2])
-def test_shared_pass_stacked_products_match_the_reference(monkeypatch, S, N, d, H, G, tiles):
+@pytest.mark.parametrize("tiles,rows", [(1, 16), (2, 16), (2, 32)])
+def test_shared_pass_stacked_products_match_the_reference(monkeypatch, S, N, d, H, G, tiles, rows):
     """The products' form with several tokens' sources in one tile's rows: block-diagonal weights, each
     (site, token) its own softmax over its rows, the padded rows and sites masked, a program's tiles, the
     last tile ending at the last token (it overlaps the one before and writes the same values again)."""
-    monkeypatch.setattr(history, "HISTORY_STACKED_CONFIG", (32, 1, 3))
+    monkeypatch.setattr(history, "HISTORY_STACKED_CONFIG", (32, 1, 3, rows))
     monkeypatch.setattr(history, "_INTERPRETER_STACKED_TILES", tiles)
     block_g = history._block_g(G)
-    tokens, rows = history.stacked_tile(S, block_g)
-    assert tokens * rows == 16 and tokens * block_g <= 16 and rows >= S
+    tokens, per_token = history.stacked_tile(S, block_g, rows)
+    assert tokens * per_token == rows and tokens * block_g <= 16 and per_token >= S
     calls, real_launch = [], history.launch
 
     def launch(kernel, grid, args, meta, device):
@@ -93,7 +94,7 @@ def test_shared_pass_stacked_products_match_the_reference(monkeypatch, S, N, d, 
 
     monkeypatch.setattr(history, "launch", launch)
     _check_shared_pass(S, N, d, H, G)
-    assert calls == [history._history_fwd_stacked_kernel if N >= tokens else history._history_fwd_kernel]
+    assert len(calls) == 1 and (calls[0] is history._history_fwd_stacked_kernel) == (S <= rows // 2 and N >= tokens)
 
 
 def _check_shared_pass(S, N, d, H, G):

@@ -231,10 +231,11 @@ HISTORY_SHAPES = [  # S, N, d, H, G
 # The shared pass's forms: the reductions' (2 or 4 sources an iteration, whatever the launch table picks); the
 # matrix products' (TOKENS, WARPS, STAGES, MAX_S: tiles of 16 sources, so that S = 33 and 73 take the running
 # softmax over several tiles; 32 and 64, one tile for most S; a program's tokens leaving the last program
-# part-filled; "table": the launch table's own); and the stacked products' (TOKENS, WARPS, STAGES: several
-# tokens' sources in a tile's rows, at S <= 8 where heads fit ``tl.dot``; other passes take the table's forms).
+# part-filled; "table": the launch table's own); and the stacked products' (TOKENS, WARPS, STAGES, ROWS: several
+# tokens' sources in a tile's rows, at S <= ROWS / 2 where heads fit ``tl.dot``; other passes take the table's
+# forms).
 HISTORY_FORMS = [("reductions", 2), ("reductions", 4), ("dot", (16, 1, 3, 16)), ("dot", "table"),
-                 ("dot", (5, 1, 2, 64)), ("stacked", (32, 1, 3)), ("stacked", (12, 1, 2))]
+                 ("dot", (5, 1, 2, 64)), ("stacked", (32, 1, 3, 16)), ("stacked", (12, 1, 2, 32))]
 
 
 @dtypes

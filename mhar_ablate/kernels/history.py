@@ -726,8 +726,8 @@ def _history_fwd_dot_kernel(
 
 
 # The matrix products' form for few sources: the rows of one tile are several tokens' sources (T tokens of
-# SP >= S rows each, T SP = 16 rows: ``stacked_tile``), so that a pass over 1 to 8 sources fills the products
-# that ``_history_fwd_dot_kernel`` would pad to 16 sources a token. Scores Z [sites, (t, s)] = Q X^T
+# SP >= S rows each, T SP = 16 or 32 rows: ``stacked_tile``), so that a pass over a few sources fills the
+# products that ``_history_fwd_dot_kernel`` would pad to 16 sources a token. Scores Z [sites, (t, s)] = Q X^T
 # as there; each (site, token) takes the softmax over its own SP columns, and the outputs of a tile's T
 # tokens are one product of a block-diagonal weight matrix W [(t, k), (t', s)] = [t = t'] p_k(t', s) with
 # the tile's rows, [(t, k), head]: its accumulator holds T BLOCK_G rows, not twice HALF per token. The
@@ -1042,24 +1042,31 @@ def _history_dot_forward(sources: Tensor, rms: Tensor, qg: Tensor, meta: dict, o
 
 
 # The stacked products' form (``_history_fwd_stacked_kernel``), where a head's blocks are wide enough for
-# ``tl.dot``, for passes over at most HISTORY_STACKED_MAX_S sources (a tile's 16 rows hold at least two tokens'
-# sources there; a pass over more, or over fewer tokens than a tile holds, takes the matrix products' or the
-# reductions' form): tokens a program, warps,
-# pipeline stages. None: not used. Compiled for sm_90 (benchmarks/kernel_resources.py --only stacked; docs/
-# benchmarks.md "nineteenth round"), its loop issues 0.12-0.15 instructions a byte read, a warp, at d = 1024 and
-# 1280 against the reductions' form's 0.84 and 0.64 (0.19-0.21 against 1.15 at d = 512); not yet timed on the
-# GPU, hence off. On the interpreter: two tiles a program, so that tests walk a program's tiles and the last
-# tile overlapping the one before.
-HISTORY_STACKED_CONFIG: tuple[int, int, int] | None = None
-HISTORY_STACKED_MAX_S = 8
+# ``tl.dot``, for passes over at most half as many sources as a tile has rows (so that a tile holds at least two
+# tokens' sources; a pass over more, or over fewer tokens than a tile holds, takes the matrix products' or the
+# reductions' form): tokens a program, warps, pipeline stages, rows a tile (16 or 32). None: not used.
+# Compiled for sm_90 (benchmarks/kernel_resources.py --only stacked; docs/benchmarks.md "nineteenth round"),
+# with 16 rows its loop issues 0.12-0.15 instructions a byte read, a warp, at d = 1024 and 1280 against the
+# reductions' form's 0.84 and 0.64 (0.19-0.21 against 1.15 at d = 512); 32 rows 0.10-0.11 there, with 198-255
+# registers. Not yet timed on the GPU, hence off. On the interpreter: two tiles a program, so that tests
+# walk a program's tiles and the last tile overlapping the one before.
+HISTORY_STACKED_CONFIG: tuple[int, int, int, int] | None = None
 _INTERPRETER_STACKED_TILES = 2
 
 
-def stacked_tile(S: int, block_g: int) -> tuple[int, int]:
-    """The stacked form's tile for S sources and ``block_g`` (padded) sites: tokens T and rows a token SP,
-    T SP = 16 rows (a product's depth), T BLOCK_G <= 16 accumulator rows."""
-    tokens = max(1, min(16 // block_g, 16 // triton.next_power_of_2(max(S, 1))))
-    return tokens, 16 // tokens
+def stacked_tile(S: int, block_g: int, rows: int) -> tuple[int, int]:
+    """The stacked form's tile of ``rows`` rows for S sources and ``block_g`` (padded) sites: tokens T and rows a
+    token SP, T SP = rows, SP >= S, T block_g <= 16 accumulator rows."""
+    tokens = max(1, min(16 // block_g, rows // triton.next_power_of_2(max(S, 1))))
+    return tokens, rows // tokens
+
+
+def stacked_fits(S: int, N: int, block_g: int, meta: dict) -> bool:
+    """Whether a pass over S sources, N tokens and ``block_g`` sites takes the stacked products' form."""
+    if HISTORY_STACKED_CONFIG is None or not products_fit(meta) or block_g > 16:
+        return False
+    rows = HISTORY_STACKED_CONFIG[3]
+    return 1 <= S <= rows // 2 and N >= stacked_tile(S, block_g, rows)[0]
 
 
 def _history_stacked_forward(sources: Tensor, rms: Tensor, qg: Tensor, meta: dict, out: Tensor, rest: Tensor,
@@ -1067,16 +1074,14 @@ def _history_stacked_forward(sources: Tensor, rms: Tensor, qg: Tensor, meta: dic
     S, N, d = sources.shape
     G = qg.shape[0]
     block_g = _block_g(G)
-    tokens, rows = stacked_tile(S, block_g)
-    cpu = sources.device.type == "cpu"
-    if cpu:
-        tiles_per_program = _INTERPRETER_STACKED_TILES
+    per_program, warps, stages, rows = HISTORY_STACKED_CONFIG
+    tokens, per_token = stacked_tile(S, block_g, rows)
+    if sources.device.type == "cpu":
+        tiles_per_program, stages = _INTERPRETER_STACKED_TILES, 1
     else:
-        per_program, warps, stages = HISTORY_STACKED_CONFIG
         tiles_per_program = max(1, per_program // tokens)
-        meta.update(num_warps=warps, STAGES=stages)
-    meta.update(BLOCK_G=block_g, T=tokens, SP=rows, PTX=ptx.use_ptx(sources.device))
-    meta.setdefault("STAGES", 1)
+        meta["num_warps"] = warps
+    meta.update(BLOCK_G=block_g, T=tokens, SP=per_token, STAGES=stages, PTX=ptx.use_ptx(sources.device))
     programs = triton.cdiv(triton.cdiv(N, tokens), tiles_per_program)
     launch(_history_fwd_stacked_kernel, (programs, meta["H"]),
            (sources, rms, qg, out, rest, lse, N, S, G, N * d, tiles_per_program), meta, sources.device)
@@ -1091,8 +1096,7 @@ def history_forward(sources: Tensor, rms: Tensor, qg: Tensor, num_heads: int, ou
         return
     block_g = _block_g(G)
     meta = head_meta(d, num_heads, has_b=True)
-    if HISTORY_STACKED_CONFIG is not None and products_fit(meta) and 1 <= S <= HISTORY_STACKED_MAX_S \
-            and block_g <= 16 and N >= stacked_tile(S, block_g)[0]:
+    if stacked_fits(S, N, block_g, meta):
         _history_stacked_forward(sources, rms, qg, meta, out, rest, lse)
         return
     if HISTORY_DOT_CONFIG is not None and products_fit(meta) and S >= max(1, HISTORY_DOT_MIN_S[meta["HAS_B"]]):
