@@ -30,6 +30,8 @@ Bytes per call (e = bytes of an element of the buffer, U = N·d·e one source):
   (over the sites that read it alone) reads back. A group pass of B slots (``column_group``, before its
   top slot's own pass) reads the B slots and their RMS, B U, the S output gradients, S U, and their
   statistics, 2·S·N·H·4, and writes dz·r for every (site, slot), S·B·N·H·4, and B carries.
+- block_column (``block:4``'s passes: its slots are the embedding and the finished blocks, slot j read by the
+  sites from 8 j on, in pairs or alone as ``column.slot_passes`` plans them for eight sites a block): as column.
 - block_fwd, block_bwd (``block:4``'s sites that read their block's partial sum, 42 at ``paper350m``): the
   merge reads the partial state, the sum before and the block's last output and writes the new sum and the
   output, 5 U; the backward reads the output gradient, the output, the sum and the gradient the later sums
@@ -59,6 +61,7 @@ from mhar_ablate.kernels.column_group import MAX_GROUP, group_pass
 from mhar_ablate.model.residual.fused import plan_sites
 
 SITES_PER_PASS = 4
+BLOCK_SITES = 8  # block:4's sites a block (four layers of two sublayers)
 # The paper's tokens per step (mhar_ablate/bench.py): 8 x 2048 at 100M, 8 x 1024 otherwise; a few on the CPU.
 BATCH = {"paper100m": (8, 2048), "tiny": (1, 6)}
 
@@ -129,6 +132,9 @@ class Step:
         self.norm_stats = torch.cat([heads, torch.rsqrt(heads.sum(-1, keepdim=True) / d + 1e-6)], -1)
         self.norm_grads = torch.empty((n, N, d), dtype=dtype, device=device)  # where the prologues write
         self.dzr = torch.randn(kernels["column"].dzr_rows(n, n, 1) * H * N, generator=gen, device=device)
+        block_slots = (n - 1) // BLOCK_SITES + 1
+        self.block_dzr = torch.randn(kernels["column"].dzr_rows(block_slots, n, BLOCK_SITES) * H * N, generator=gen,
+                                     device=device)
         # Where the column passes read the output gradients: in place, through a table (``GradRows``, whose
         # offsets the backward prologue records), or the copies the prologue writes, here onto the gradients
         # themselves (the same bytes moved, the same values read); ``column.grads_in_place`` decides.
@@ -231,10 +237,10 @@ class Step:
 
                     out.append((block_bwd, (5 if self.in_place(kernels) and not self.norms else 6) * U
                                 + 2 * N * H * 4 + N * 4 + nstats))
-        elif kind == "column":
+        elif kind in ("column", "block_column"):
             stats = 3 * N * H * 4  # per site: its log-sum-exps and deltas read, dz * r written
-            if not hasattr(column, "slot_passes"):  # an earlier column module: one pass a slot
-                for j in range(self.n_sites):
+            if not hasattr(column, "slot_passes"):  # an earlier column module: one pass a slot, full grouping
+                for j in range(self.n_sites if kind == "column" else 0):
                     S = self.n_sites - j
                     out.append((lambda j=j: column.slot_grad(self.buffer[j], self.rms[j], self.copy[j:],
                                                              self.lse[j:], self.delta[j:], self.qg[j:], H),
@@ -242,8 +248,14 @@ class Step:
                 return out
             carry = column.Carry(self.carry_acc, self.carry_dr)
             n = self.n_sites
-            groups = [column.group_slots(d, H)] if hasattr(column, "group_slots") else []
-            for p in column.slot_passes(n, n, 1, column.pairs_slots(d), *groups):
+            # block:4's slots are its blocks (eight sites each, slot j read by sites 8 j ..), its dz * r as many
+            # rows as those pairs; the sites' statistics are full's (weights at most 1, as in a real step)
+            K = 1 if kind == "column" else BLOCK_SITES
+            slots = (n - 1) // K + 1
+            dzr = self.dzr if K == 1 else self.block_dzr
+            groups = [column.group_slots(d, H, K) if K > 1 else column.group_slots(d, H)] \
+                if hasattr(column, "group_slots") else []
+            for p in column.slot_passes(slots, n, K, column.pairs_slots(d), *groups):
                 S = len(p.sites)
                 moved = (S + 2) * U + N * 4 + S * stats
                 if p.low:  # the lower slot and its RMS read, its dz * r written, its carry written
@@ -253,10 +265,9 @@ class Step:
                 if getattr(p, "group", None) is not None:  # the group pass before this slot's own
                     moved += self.group_bytes(len(p.group), n - p.slot)
 
-                def run(p=p):
+                def run(p=p, K=K, dzr=dzr):
                     grad = column.run_pass(p, self.buffer, self.rms, self.grads(kernels), self.lse, self.delta, self.qg,
-                                           H, 1,
-                                           self.dzr, carry)
+                                           H, K, dzr, carry)
                     return (grad,)
 
                 out.append((run, moved))
@@ -344,7 +355,7 @@ class Step:
 
 
 KINDS = ("write_slot", "history_fwd", "sites_fwd", "sites_bwd", "column", "column_groups", "query_grad", "block_fwd",
-         "block_bwd", "block_history", "norm_rows")
+         "block_bwd", "block_history", "block_column", "norm_rows")
 
 
 def time_calls(calls, device, reps: int = 10) -> float:
@@ -478,8 +489,8 @@ def main() -> int:
             for kind in args.kinds.split(","):
                 record(kind, "default", current)
         reference = {k: outputs(step.calls(k, current))
-                     for k in ("write_slot", "history_fwd", "block_history", "sites_bwd", "column", "column_groups",
-                               "query_grad")}
+                     for k in ("write_slot", "history_fwd", "block_history", "sites_bwd", "column", "block_column",
+                               "column_groups", "query_grad")}
         # the merges move their log-sum-exps in place: nothing fixed to compare
         reference["sites_fwd"] = reference["block_fwd"] = None
         reference["block_bwd"] = outputs(step.calls("block_bwd", current))
@@ -492,18 +503,20 @@ def main() -> int:
                 history.HISTORY_DOT_CONFIG,
                  column.GROUP_SLOTS, column_group.GROUP_CONFIG, column.GROUP_PASS_WEIGHT, column.GRADS_IN_PLACE,
                  history.HISTORY_TILES, dict(history.MERGE_CONFIG), history.HISTORY_STACKED_CONFIG)
-        variants = [("column", "prev", prev, None)] if prev is not None else []
-        variants += [("column", f"col {c}", current, ("col", c)) for c in parse_configs(args.column_configs, False)]
-        variants += [("column", f"two-slot {c}", current, ("two", c))
-                     for c in parse_configs(args.two_slot_configs, False)]
+        columns = ("column", "block_column")  # full's passes and block:4's
+        variants = [(kind, "prev", prev, None) for kind in columns] if prev is not None else []
+        variants += [(kind, f"col {c}", current, ("col", c)) for c in parse_configs(args.column_configs, False)
+                     for kind in columns]
+        variants += [(kind, f"two-slot {c}", current, ("two", c))
+                     for c in parse_configs(args.two_slot_configs, False) for kind in columns]
         if args.one_slot:
-            variants.append(("column", "one slot a pass", current, ("one-slot", None)))
+            variants += [(kind, "one slot a pass", current, ("one-slot", None)) for kind in columns]
         if args.other_grads:
             other = not column.grads_in_place(step.d)
             variants += [(kind, "grads in place" if other else "grads copied", current, ("grads", other))
-                         for kind in ("column", "column_groups", "sites_bwd", "block_bwd")]
+                         for kind in (*columns, "column_groups", "sites_bwd", "block_bwd")]
         variants += [(kind, f"groups of <= {k[0]}", current, ("groups", k[0]))
-                     for k in parse_configs(args.group_slots, False) for kind in ("column", "column_groups")]
+                     for k in parse_configs(args.group_slots, False) for kind in (*columns, "column_groups")]
         variants += [("column", f"group weight {w}", current, ("weight", float(w)))
                      for w in filter(None, (t.strip() for t in args.group_weights.split(";")))]
         variants += [(kind, f"group {c}", current, ("group", c)) for c in parse_configs(args.group_configs, False)
