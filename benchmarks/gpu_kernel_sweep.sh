@@ -20,7 +20,9 @@
 # the other way (copied or in place, against the width's table); MERGE='WARPS,STAGES;...' sweeps the merges'
 # kernel, TILES='T;...' the token tiles a program of the head-tiled forward walks; TESTS=0 skips the tests,
 # KINDS='column,...' the kinds timed at their defaults (all when unset), BENCH=0 no timings; NORMS=1 times
-# them again with the sublayers' pre-norms folded in (--norms; logs and JSON under $OUT/norms).
+# them again with the sublayers' pre-norms folded in (--norms; logs and JSON under $OUT/norms);
+# BYSOURCE='1,2,4,...' times the shared pass alone by source count in its forms, DOT's and STACKED's
+# configurations among them (benchmarks/bench_history.py, under $OUT/by-source).
 set -uo pipefail
 OUT=${OUT:-gpu-kernels}
 mkdir -p "$OUT"
@@ -54,6 +56,11 @@ bench() {  # $1: where its log and JSON go, then more options
     --merge-configs "${MERGE:-}" --history-tiles "${TILES:-}" ${ONE:+--one-slot} ${OTHER:+--other-grads} \
     ${KINDS:+--kinds "$KINDS"} "${@:2}" 2>&1 | tee "$1/bench_kernels.log"
 }
+if [ -n "${BYSOURCE:-}" ]; then
+  mkdir -p "$OUT/by-source"
+  python3 benchmarks/bench_history.py --presets "${PRESETS:-paper350m}" --sources "$BYSOURCE" --dot "${DOT:-}" \
+    --stacked "${STACKED:-}" --out "$OUT/by-source" 2>&1 | tee "$OUT/by-source/bench_history.log"
+fi
 if [ "${BENCH:-1}" = 1 ]; then
   bench "$OUT"
   if [ "${NORMS:-0}" = 1 ]; then bench "$OUT/norms" --norms; fi
