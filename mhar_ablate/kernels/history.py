@@ -773,9 +773,11 @@ def _history_fwd_stacked_kernel(
     live = j_site < G
     same = tl.arange(0, T)[:, None, None, None] == tl.arange(0, T)[None, None, :, None]  # [T, 1, T, 1]
     for it in tl.range(0, tiles_per_program, num_stages=STAGES):
-        # The last tile ends at the last token (N >= T): it overlaps the tile before and stores the same values
-        # again, so that no load or store needs a token mask. Tiles past it repeat it.
-        tok0 = tl.minimum((first_tile + it) * T, N - T)
+        # The last tile ends at the last token (N >= T), so that no load needs a token mask; it stores only the
+        # tokens from where it would have started (the tile before, perhaps another program's, stores the
+        # others: its products sum them in another order), and tiles past it store nothing.
+        start = (first_tile + it) * T
+        tok0 = tl.minimum(start, N - T)
         x_a = tl.load(x_rows + tok0 * D + col_a, mask=src_ok[:, None], other=0.0)  # [T SP, DA]
         u = tl.dot(q_a, tl.trans(x_a), input_precision=PREC)  # [2 BLOCK_G, T SP]
         x_b = x_a
@@ -794,13 +796,14 @@ def _history_fwd_stacked_kernel(
         acc_a = tl.dot(w_lo, x_a, acc_a, input_precision=PREC)
         inv_l = tl.reshape(tl.trans(1.0 / l), [T * BLOCK_G])[:, None]
         at = out_rows + tok0 * D
-        tl.store(at[:, None] + col_a, (acc_a * inv_l).to(out0_ptr.dtype.element_ty), mask=live[:, None])
+        own = live & (tok0 + j_tok >= start)
+        tl.store(at[:, None] + col_a, (acc_a * inv_l).to(out0_ptr.dtype.element_ty), mask=own[:, None])
         if HAS_B:
             acc_b = tl.dot(w_hi, x_b, input_precision=PREC)
             acc_b = tl.dot(w_lo, x_b, acc_b, input_precision=PREC)
-            tl.store(at[:, None] + col_b, (acc_b * inv_l).to(out0_ptr.dtype.element_ty), mask=live[:, None] & b_ok)
+            tl.store(at[:, None] + col_b, (acc_b * inv_l).to(out0_ptr.dtype.element_ty), mask=own[:, None] & b_ok)
         lse = tl.reshape(tl.trans(m + tl.log(l)), [T * BLOCK_G])
-        tl.store(lse_rows + tok0 * H, lse, mask=live)
+        tl.store(lse_rows + tok0 * H, lse, mask=own)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -1046,10 +1049,10 @@ def _history_dot_forward(sources: Tensor, rms: Tensor, qg: Tensor, meta: dict, o
 # tokens' sources; a pass over more, or over fewer tokens than a tile holds, takes the matrix products' or the
 # reductions' form): tokens a program, warps, pipeline stages, rows a tile (16 or 32). None: not used.
 # Compiled for sm_90 (benchmarks/kernel_resources.py --only stacked; docs/benchmarks.md "nineteenth round"),
-# with 16 rows its loop issues 0.12-0.15 instructions a byte read, a warp, at d = 1024 and 1280 against the
-# reductions' form's 0.84 and 0.64 (0.19-0.21 against 1.15 at d = 512); 32 rows 0.10-0.11 there, with 198-255
+# with 16 rows its loop issues 0.13-0.15 instructions a byte read, a warp, at d = 1024 and 1280 against the
+# reductions' form's 0.84 and 0.64 (0.19-0.22 against 1.15 at d = 512); 32 rows 0.10-0.11 there, with 196-255
 # registers. Not yet timed on the GPU, hence off. On the interpreter: two tiles a program, so that tests
-# walk a program's tiles and the last tile overlapping the one before.
+# walk a program's tiles and a last tile that overlaps the one before.
 HISTORY_STACKED_CONFIG: tuple[int, int, int, int] | None = None
 _INTERPRETER_STACKED_TILES = 2
 
