@@ -50,8 +50,9 @@ fi
 bench() {  # $1: where its log and JSON go, then more options
   mkdir -p "$1"
   python3 benchmarks/bench_kernels.py --presets "${PRESETS:-paper350m}" --out "$1" ${PREV:+--prev "$PREV"} \
-    --column-configs "${COL:-}" --history-configs "${HIST:-}" --history-dot "${DOT:-}" --stacked "${STACKED:-}" --query-configs "${QUERY:-}" \
-    --write-configs "${WRITE:-}" --row-warps "${ROWS:-}" --two-slot-configs "${TWO:-}" --row-stages "${ROWSTAGES:-}" \
+    --column-configs "${COL:-}" --history-configs "${HIST:-}" --history-dot "${DOT:-}" --stacked "${STACKED:-}" \
+    --query-configs "${QUERY:-}" --write-configs "${WRITE:-}" --row-warps "${ROWS:-}" --two-slot-configs "${TWO:-}" \
+    --row-stages "${ROWSTAGES:-}" \
     --group-slots "${GROUPSLOTS:-}" --group-weights "${GROUPWEIGHTS:-}" --group-configs "${GROUP:-}" \
     --merge-configs "${MERGE:-}" --history-tiles "${TILES:-}" ${ONE:+--one-slot} ${OTHER:+--other-grads} \
     ${KINDS:+--kinds "$KINDS"} "${@:2}" 2>&1 | tee "$1/bench_kernels.log"
