@@ -52,7 +52,7 @@ from torch import Tensor
 
 from . import ptx
 from .launch import by_width, head_meta, launch, persistent_programs, products_fit, tile_width
-from .products import head_columns, split, stack_halves, sum_halves
+from .products import head_columns, query_operand, split, stack_halves, sum_halves
 
 __all__ = ["write_slot", "sites_forward", "sites_backward", "history_forward", "add_row_sums", "Norm", "norm_rows"]
 
@@ -649,17 +649,7 @@ def _history_fwd_dot_kernel(
     ja, jb, col_a, col_b, b_ok = head_columns(head, DH, DA, DB, BLOCK_DB)
     dt = src_ptr.dtype.element_ty
     PREC: tl.constexpr = "ieee" if dt == tl.float32 else "tf32"  # (tf32: ignored for 16-bit operands)
-    # The query operand, [2 HALF, .]: row i holds site i % HALF, its hi part in the first half, its lo in the
-    # second (built elementwise: stacked with stack_halves, its layout kept the sources' loads out of the
-    # pipeline).
-    i = tl.arange(0, 2 * HALF)[:, None]
-    q_site = (i % HALF) * D
-    q_hi, q_lo = split(tl.load(qg_ptr + q_site + col_a, mask=i % HALF < G, other=0.0), dt)
-    q_a = tl.where(i < HALF, q_hi, q_lo)
-    q_b = tl.zeros([2 * HALF, BLOCK_DB], dt)  # (a placeholder without HAS_B)
-    if HAS_B:
-        q_hi, q_lo = split(tl.load(qg_ptr + q_site + col_b, mask=(i % HALF < G) & b_ok, other=0.0), dt)
-        q_b = tl.where(i < HALF, q_hi, q_lo)
+    q_a, q_b = query_operand(qg_ptr, G, D, HALF, col_a, col_b, b_ok, BLOCK_DB, HAS_B, dt)  # [2 HALF, .]
     si = tl.arange(0, BLOCK_S)
     if ONE_TILE:
         tiles = 1
@@ -746,16 +736,7 @@ def _history_fwd_stacked_kernel(
     _, _, col_a, col_b, b_ok = head_columns(head, DH, DA, DB, BLOCK_DB)
     dt = src_ptr.dtype.element_ty
     PREC: tl.constexpr = "ieee" if dt == tl.float32 else "tf32"  # (tf32: ignored for 16-bit operands)
-    # The query operand [2 BLOCK_G, .]: row i holds site i % BLOCK_G, its hi part in the first half, its lo
-    # part in the second.
-    i = tl.arange(0, 2 * BLOCK_G)[:, None]
-    q_site = (i % BLOCK_G) * D
-    q_hi, q_lo = split(tl.load(qg_ptr + q_site + col_a, mask=i % BLOCK_G < G, other=0.0), dt)
-    q_a = tl.where(i < BLOCK_G, q_hi, q_lo)
-    q_b = tl.zeros([2 * BLOCK_G, BLOCK_DB], dt)  # (a placeholder without HAS_B)
-    if HAS_B:
-        q_hi, q_lo = split(tl.load(qg_ptr + q_site + col_b, mask=(i % BLOCK_G < G) & b_ok, other=0.0), dt)
-        q_b = tl.where(i < BLOCK_G, q_hi, q_lo)
+    q_a, q_b = query_operand(qg_ptr, G, D, BLOCK_G, col_a, col_b, b_ok, BLOCK_DB, HAS_B, dt)  # [2 BLOCK_G, .]
     # A tile's rows: token t = r // SP, source s = r % SP; their offsets in the first tile (a tile's are these
     # plus its first token's row).
     r = tl.arange(0, T * SP)

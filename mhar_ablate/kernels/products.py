@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["head_columns", "split", "stack_halves", "sum_halves"]
+__all__ = ["head_columns", "split", "query_operand", "stack_halves", "sum_halves"]
 
 
 @triton.jit
@@ -29,6 +29,24 @@ def split(x, dt: tl.constexpr):
     """fp32 ``x`` as hi + lo, both of dtype ``dt`` (lo is 0 when ``dt`` is fp32)."""
     hi = x.to(dt)
     return hi, (x - hi.to(tl.float32)).to(dt)
+
+
+@triton.jit
+def query_operand(qg_ptr, G, D: tl.constexpr, R: tl.constexpr, col_a, col_b, b_ok, BLOCK_DB: tl.constexpr,
+                  HAS_B: tl.constexpr, dt: tl.constexpr):
+    """The sites' query rows as a product's [2 R, .] operand of dtype ``dt``, for a head's two blocks (at
+    ``col_a`` and ``col_b``, the latter a placeholder without HAS_B): row i holds site i % R (zeros from G on),
+    its hi part in the first half, its lo part in the second. Built elementwise: stacked with
+    ``stack_halves``, its layout kept the sources' loads out of the pipeline."""
+    i = tl.arange(0, 2 * R)[:, None]
+    q_site = (i % R) * D
+    q_hi, q_lo = split(tl.load(qg_ptr + q_site + col_a, mask=i % R < G, other=0.0), dt)
+    q_a = tl.where(i < R, q_hi, q_lo)
+    q_b = tl.zeros([2 * R, BLOCK_DB], dt)
+    if HAS_B:
+        q_hi, q_lo = split(tl.load(qg_ptr + q_site + col_b, mask=(i % R < G) & b_ok, other=0.0), dt)
+        q_b = tl.where(i < R, q_hi, q_lo)
+    return q_a, q_b
 
 
 @triton.jit
