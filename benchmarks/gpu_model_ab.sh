@@ -10,9 +10,11 @@
 # CHECK=1 first checks the fused path against the reference (small model, fp32 and bf16, determinism).
 # VARIANTS (default baseline-compiled,mhar-block4-fused-compiled), STEPS (5), WARMUP (2), SPP (4), FOLD
 # (bench model's --fold-norms: off,on times both forms of each fused variant in one process; default: the
-# package's; this tree's rows only). Without PREV, only this tree is timed:
+# package's; this tree's rows only), STACKED (--stacked-config: 'off;32,1,3,16' times the shared pass without
+# and with its stacked products' form, in one process; with FOLD, every pair). Without PREV, only this tree
+# is timed:
 #
-#   OUT=$OUT FOLD=off,on PRESETS="paper1b paper350m" ROUNDS=15 bash benchmarks/gpu_model_ab.sh
+#   OUT=$OUT FOLD=off,on STACKED='off;32,1,3,16' PRESETS="paper1b paper350m" ROUNDS=11 bash benchmarks/gpu_model_ab.sh
 set -uo pipefail
 OUT=${OUT:-gpu-ab}
 mkdir -p "$OUT"
@@ -33,7 +35,7 @@ if [ "${CHECK:-0}" = 1 ]; then
     --warmup 1 --no-split 2>&1 | tee "$OUT/check.log"
 fi
 for preset in ${PRESETS:-paper350m}; do
-  bench "$HERE" new "$preset" ${FOLD:+--fold-norms "$FOLD"}
+  bench "$HERE" new "$preset" ${FOLD:+--fold-norms "$FOLD"} ${STACKED:+--stacked-config "$STACKED"}
   if [ -n "${PREV:-}" ]; then bench "$(cd "$PREV" && pwd)" prev "$preset"; fi
 done
 for f in "$OUT"/*.json; do  # the verdicts, last: variant, x baseline (the rounds' range), step ms
@@ -43,7 +45,8 @@ for r in json.load(open(sys.argv[1])):
     if r.get("round_ratios"):
         clocks = [c for pair in r.get("round_clocks_mhz", []) for c in pair if c is not None]
         fold = {None: "", True: " folded", False: " unfolded"}[r.get("fold_norms")]
-        print(f"{sys.argv[1].rsplit('/', 1)[-1]:>24} {r['variant'] + fold:<43} {r['ratio_to_baseline']:.4f} "
+        fold += f" stacked {r['stacked_config']}" if r.get("stacked_config") else ""
+        print(f"{sys.argv[1].rsplit('/', 1)[-1]:>24} {r['variant'] + fold:<60} {r['ratio_to_baseline']:.4f} "
               f"({min(r['round_ratios']):.4f}-{max(r['round_ratios']):.4f}) {r['step_ms']:.2f} ms "
               f"against {r['baseline_step_ms']:.2f}, peak x {r.get('peak_ratio_to_baseline')}"
               + (f", SM clock {min(clocks)}-{max(clocks)} MHz" if clocks else ""))

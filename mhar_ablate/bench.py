@@ -8,9 +8,10 @@ muddformer: each kind's ``bench_variants``) as they are, each eager and under ``
 reports per variant: tokens/s, the ratio to the baseline of the same compile mode, peak memory, and the
 step time split into routing and the rest. A step is what training does: forward and loss under bf16
 autocast, backward, fused AdamW (routing parameters without weight decay). Times are CUDA-event medians over
-several steps after warm-up (compilation excluded). ``--sites-per-pass`` and ``--fold-norms`` give one fused
-row per value (the sites sharing a pass over the history; the sublayers' pre-norms in the routing kernels or
-in the sublayers), so that both forms are timed in one process.
+several steps after warm-up (compilation excluded). ``--sites-per-pass``, ``--fold-norms`` and
+``--stacked-config`` give one fused row per value (the sites sharing a pass over the history; the sublayers'
+pre-norms in the routing kernels or in the sublayers; the shared pass's stacked products' form, off or a
+launch configuration), so that the forms are timed in one process, against one baseline.
 
 The split comes from one extra step under ``torch.profiler``: routing is the GPU time of the kernels
 launched inside the ``mhar::routing`` ranges (forward) and by the backward nodes those ranges created
@@ -49,6 +50,7 @@ import sys
 import time
 import traceback
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -79,6 +81,10 @@ class Variant:
     # fused path of a kind that can fold (``folds_norms``): the sublayers' pre-norms in its kernels; None:
     # the model's default
     fold_norms: bool | None = None
+    # fused path: the shared pass's stacked products' form for this row, "off" or "TOKENS,WARPS,STAGES,ROWS"
+    # (``history.HISTORY_STACKED_CONFIG``, set while the row's model builds, steps and is captured); None: the
+    # package's
+    stacked: str | None = None
     label: str | None = None  # kinds without a fused path: the row's name (the kind's bench_variants)
     settings: tuple[tuple[str, str], ...] = ()  # and its residual.<kind>.<name> overrides
 
@@ -111,11 +117,12 @@ def _baseline(compiled: bool) -> Variant:
     return Variant("baseline", None, None, compiled)
 
 
-def all_variants(sites_per_pass: Sequence[int | None], fold_norms: Sequence[bool | None] = (None,)) -> list[Variant]:
+def all_variants(sites_per_pass: Sequence[int | None], fold_norms: Sequence[bool | None] = (None,),
+                 stacked: Sequence[str | None] = (None,)) -> list[Variant]:
     """Every kind of the registry, eager variants first, then compiled ones; the baseline first in each
     mode. A kind with a fused path gets full and block:4 grouping, each on the reference and the fused path
-    (one fused row per sites-per-pass value, and per fold-norms value where the kind folds); the others get
-    one row per entry of their bench_variants."""
+    (one fused row per sites-per-pass value, per fold-norms value where the kind folds, and per stacked
+    configuration); the others get one row per entry of their bench_variants."""
     from .model.residual import RESIDUALS
 
     out = []
@@ -131,7 +138,8 @@ def all_variants(sites_per_pass: Sequence[int | None], fold_norms: Sequence[bool
             for grouping in ("full", "block:4"):
                 out.append(Variant(kind, grouping, "reference", compiled))
                 folds = fold_norms if cls.folds_norms else (None,)
-                out.extend(Variant(kind, grouping, "fused", compiled, g, f) for g in sites_per_pass for f in folds)
+                out.extend(Variant(kind, grouping, "fused", compiled, g, f, k)
+                           for g in sites_per_pass for f in folds for k in stacked)
     return out
 
 
@@ -182,6 +190,10 @@ def add_bench_parser(subparsers: Any) -> None:
     m.add_argument("--fold-norms", default=None, metavar="off|on[,...]",
                    help="fused path of mhar and attnres: compute the sublayers' pre-norms in the routing kernels "
                         "(on) or in the sublayers (off); default: the model's; 'off,on' gives one row each")
+    m.add_argument("--stacked-config", default=None, metavar="off|T,W,S,R[;...]",
+                   help="fused path: the shared pass's stacked products' form, off or its tokens a program, warps, "
+                        "stages and rows a tile (16 or 32); default: the package's; 'off;32,1,3,16' gives one row "
+                        "each")
     m.add_argument("--batch", type=int, help="sequences per step (default 8; 1 with --device cpu)")
     m.add_argument("--seq", type=int, help="tokens per sequence (default: the preset's seq_len; 16 with --device cpu)")
     m.add_argument("--steps", type=int, default=10, help="timed steps, after warm-up (default 10)")
@@ -239,6 +251,47 @@ def _fold_norms(text: str | None) -> list[bool | None]:
     return [v == "on" for v in dict.fromkeys(values)]
 
 
+def _stacked_configs(text: str | None) -> list[str | None]:
+    """``--stacked-config``: "off" or "TOKENS,WARPS,STAGES,ROWS" per row, as ``kernel_forms`` takes them."""
+    if text is None:
+        return [None]
+    out = []
+    for item in (t.strip().replace(" ", "") for t in text.split(";")):
+        if item == "off":
+            out.append(item)
+            continue
+        try:
+            values = [int(v) for v in item.split(",")]
+        except ValueError:
+            values = []
+        if len(values) != 4 or min(values) < 1 or values[3] not in (16, 32):
+            raise UsageError(f"--stacked-config takes off or TOKENS,WARPS,STAGES,ROWS (positive, ROWS 16 or 32), "
+                             f"';'-separated, got {item!r}")
+        out.append(",".join(map(str, values)))
+    return list(dict.fromkeys(out))
+
+
+@contextmanager
+def kernel_forms(stacked: str | None) -> Iterator[None]:
+    """The kernel forms a row asks for (``Variant.stacked``), in force inside the block: the fused path reads
+    them when it launches, and a CUDA graph keeps what it captured."""
+    from .kernels import history
+
+    if stacked is None:
+        yield
+        return
+    before = history.HISTORY_STACKED_CONFIG
+    history.HISTORY_STACKED_CONFIG = None if stacked == "off" else tuple(int(v) for v in stacked.split(","))
+    try:
+        yield
+    finally:
+        history.HISTORY_STACKED_CONFIG = before
+
+
+def _stacked_label(config: tuple[int, ...] | None) -> str:
+    return "off" if config is None else ",".join(map(str, config))
+
+
 def bench_device(args: argparse.Namespace, command: str) -> "torch.device":
     """The device a bench command measures: --device, or one clear line where it asks for a missing GPU."""
     import torch
@@ -260,7 +313,8 @@ def bench_model(args: argparse.Namespace) -> int:
     if args.heads < 1:
         raise UsageError(f"--heads must be positive, got {args.heads}")
     variants = select_variants(args.variants, all_variants(_sites_per_pass(args.sites_per_pass),
-                                                           _fold_norms(args.fold_norms)))
+                                                           _fold_norms(args.fold_norms),
+                                                           _stacked_configs(args.stacked_config)))
     cpu = device.type == "cpu"
     if cpu:
         variants = [v for v in variants if not v.compiled]
@@ -331,7 +385,8 @@ def bench_model(args: argparse.Namespace) -> int:
 
 def _variant_detail(v: Variant) -> str:
     detail = ([f"sites per pass {v.sites_per_pass}"] if v.sites_per_pass else []) + (
-        [] if v.fold_norms is None else ["norms folded" if v.fold_norms else "norms in the sublayers"])
+        [] if v.fold_norms is None else ["norms folded" if v.fold_norms else "norms in the sublayers"]) + (
+        [] if v.stacked is None else [f"stacked {v.stacked}"])
     return f" ({', '.join(detail)})" if detail else ""
 
 
@@ -448,12 +503,16 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 
 def render_table(rows: list[dict]) -> str:
     """The rows as a Markdown table (what ``docs/benchmarks.md`` shows); where a row's sublayers' pre-norms
-    ran in its routing kernels (``--fold-norms``), a column says where each fused row's ran."""
+    ran in its routing kernels (``--fold-norms``), a column says where each fused row's ran, and where a row's
+    shared passes took the stacked products' form (``--stacked-config``), one says each fused row's form."""
     norms = any(r.get("fold_norms") for r in rows)
+    stacked = any(r.get("stacked_config") not in (None, "off") for r in rows)
     return markdown_table(
-        ["variant", "sites/pass", *(["norms"] if norms else []), "tokens/s", "× baseline", "× fastest baseline",
-         "peak GB", "× baseline peak", "step ms", "routing ms", "rest ms", "kernel ms", "status"],
+        ["variant", "sites/pass", *(["norms"] if norms else []), *(["stacked"] if stacked else []), "tokens/s",
+         "× baseline", "× fastest baseline", "peak GB", "× baseline peak", "step ms", "routing ms", "rest ms",
+         "kernel ms", "status"],
         [[r["variant"], cell(r["sites_per_pass"], "d"), *([_norms_cell(r)] if norms else []),
+          *([r.get("stacked_config") or "–"] if stacked else []),
           cell(r["tokens_per_s"], ",.0f"), _ratio_cell(r), cell(r["ratio_to_fastest_baseline"], ".3f"),
           cell(r["peak_gb"], ".1f"), cell(r.get("peak_ratio_to_baseline"), ".3f"), cell(r["step_ms"], ".1f"),
           cell(r["routing_ms"], ".1f"), cell(r["rest_ms"], ".1f"), cell(r["kernel_ms"], ".1f"), r["status"]]
@@ -529,7 +588,7 @@ def _new_row(v: Variant, args: argparse.Namespace, cuda_graph: bool) -> dict[str
         "heads": routing_heads(v, args.heads),
         "grouping": v.grouping, "path": v.path, "compiled": v.compiled,
         "compile_mode": args.compile_mode if v.compiled else None, "cuda_graph": cuda_graph, "sites_per_pass": None,
-        "fold_norms": None,
+        "fold_norms": None, "stacked_config": None,
         "tokens_per_s": None, "peak_gb": None, "step_ms": None, "routing_ms": None, "rest_ms": None,
         "kernel_ms": None, "split_from": None, "warmup_s": None, "status": "ok"}
 
@@ -561,6 +620,7 @@ class Training:
         from .training.step import make_loss, make_optimizer
 
         self.device, self.cuda = device, device.type == "cuda"
+        self.stacked = v.stacked  # the kernel forms its steps launch (``kernel_forms``)
         # What was on the GPU before this variant (--rounds keeps the baselines there): not its memory.
         self.resident = torch.cuda.memory_allocated(device) if self.cuda else 0
         if v.compiled:
@@ -583,7 +643,8 @@ class Training:
                          autocast=torch.bfloat16 if self.cuda else None, device=self.device, cuda_graph=cuda_graph)
 
     def step(self, i: int) -> torch.Tensor:
-        return self.train_step(*self.data[i % len(self.data)])
+        with kernel_forms(self.stacked):
+            return self.train_step(*self.data[i % len(self.data)])
 
     def peak_gb(self) -> float:
         """The GPU memory this variant's step peaked at since the last reset, in GB."""
@@ -600,8 +661,12 @@ def _measure(v: Variant, args: argparse.Namespace, batch: int, seq: int, vocab: 
 
     t = Training(v, args, batch, seq, vocab, device)
     if v.path == "fused":
+        from .kernels import history
+
         row["sites_per_pass"] = t.model.residual.sites_per_pass
         row["fold_norms"] = t.model.residual.fold_norms
+        with kernel_forms(v.stacked):
+            row["stacked_config"] = _stacked_label(history.HISTORY_STACKED_CONFIG)
     t0 = time.perf_counter()
     for i in range(args.warmup):
         t.step(i)
@@ -631,10 +696,12 @@ def _measure_graph(t: Training, args: argparse.Namespace, tokens: int, ordinary:
     timed) after copying each batch into the captured inputs."""
     import torch
 
-    row["sites_per_pass"], row["fold_norms"] = ordinary["sites_per_pass"], ordinary["fold_norms"]
+    for key in ("sites_per_pass", "fold_norms", "stacked_config"):
+        row[key] = ordinary[key]
     t0 = time.perf_counter()
     t.train_step = t.new_step(cuda_graph=True)
-    t.train_step.prepare(*t.data[0])  # resets the peak before capturing: a replay allocates nothing
+    with kernel_forms(t.stacked):  # what the graph captures is what its replays run
+        t.train_step.prepare(*t.data[0])  # resets the peak before capturing: a replay allocates nothing
     if not t.train_step.captured:
         raise RuntimeError(t.train_step.note)
     for i in range(args.warmup):

@@ -80,6 +80,44 @@ def test_fold_norms_gives_one_fused_row_per_value_where_the_kind_folds():
             _fold_norms(bad)
 
 
+def test_stacked_config_gives_one_fused_row_per_form_and_launches_it(tmp_path, monkeypatch, capsys):
+    """``--stacked-config off;T,W,S,R``: one fused row per form, each row's shared passes launched in its own
+    form (the package's switch set while its model steps, then restored), the form in the row and the table."""
+    import mhar_ablate.bench as bench
+    from mhar_ablate.kernels import history
+
+    assert bench._stacked_configs("off; 32,1,3,16;off") == ["off", "32,1,3,16"]
+    for bad in ("on", "32,1,3", "32,1,3,8", "0,1,3,16", "a,b,c,d", ""):
+        with pytest.raises(UsageError, match="--stacked-config takes off or"):
+            bench._stacked_configs(bad)
+    variants = select_variants("mhar-block4-fused-eager", all_variants([None], [None], ["off", "4,1,1,16"]))
+    assert [(v.name, v.stacked) for v in variants] == [
+        ("baseline-eager", None), ("mhar-block4-fused-eager", "off"), ("mhar-block4-fused-eager", "4,1,1,16")]
+
+    launched = []
+    stacked_forward = history._history_stacked_forward
+
+    def spy(*a, **k):
+        launched.append(history.HISTORY_STACKED_CONFIG)
+        return stacked_forward(*a, **k)
+
+    monkeypatch.setattr(history, "_history_stacked_forward", spy)
+    monkeypatch.setattr(history, "HISTORY_STACKED_CONFIG", None)
+    out = tmp_path / "rows.json"
+    # two heads of 32 channels: wide enough for the products; block:4 at tiny: shared passes over 1-2 sources
+    assert cmd_bench(_args("--device", "cpu", "--preset", "tiny", "--heads", "2", "--steps", "1", "--warmup", "1",
+                           "--no-split", "--variants", "mhar-block4-fused-eager", "--stacked-config", "off;4,1,1,16",
+                           "--json", str(out))) == 0
+    assert history.HISTORY_STACKED_CONFIG is None  # restored after each row
+    assert launched and set(launched) == {(4, 1, 1, 16)}  # the second row's steps only
+    rows = json.loads(out.read_text())
+    assert [(r["variant"], r["stacked_config"], r["status"]) for r in rows] == [
+        ("baseline-eager", None, "ok"), ("mhar-block4-fused-eager", "off", "ok"),
+        ("mhar-block4-fused-eager", "4,1,1,16", "ok")]
+    table = capsys.readouterr().out.splitlines()[-5:]
+    assert "| stacked |" in table[0] and [line.split("|")[3].strip() for line in table[2:]] == ["–", "off", "4,1,1,16"]
+
+
 def test_cuda_graph_is_refused_on_cpu():
     with pytest.raises(UsageError, match="--cuda-graph"):
         cmd_bench(_args("--device", "cpu", "--preset", "tiny", "--variants", "mhar-full-ref-eager", "--cuda-graph"))
