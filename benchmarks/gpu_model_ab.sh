@@ -31,8 +31,8 @@ bench() {  # $1: the package's folder, $2: the output prefix, $3: the preset, th
 HERE=$PWD
 OUT=$(cd "$OUT" && pwd)
 if [ "${CHECK:-0}" = 1 ]; then
-  PYTHONPATH=$HERE python3 benchmarks/bench_model.py --check --preset tiny --variants baseline-eager --steps 1 \
-    --warmup 1 --no-split 2>&1 | tee "$OUT/check.log"
+  PYTHONPATH=$HERE python3 benchmarks/bench_model.py --check --preset tiny --variants baseline-eager,mhar-full-fused-eager \
+    --steps 1 --warmup 1 --no-split ${STACKED:+--stacked-config "$STACKED"} 2>&1 | tee "$OUT/check.log"
 fi
 for preset in ${PRESETS:-paper350m}; do
   bench "$HERE" new "$preset" ${FOLD:+--fold-norms "$FOLD"} ${STACKED:+--stacked-config "$STACKED"}

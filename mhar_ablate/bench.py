@@ -211,7 +211,8 @@ def add_bench_parser(subparsers: Any) -> None:
     m.add_argument("--compile-mode", choices=("default", "max-autotune-no-cudagraphs"), default="default",
                    help="torch.compile mode of the compiled variants (default: default)")
     m.add_argument("--check", action="store_true",
-                   help="first check the fused path against the reference (loss and gradients, small model)")
+                   help="first check the fused path against the reference (loss and gradients, small model), in "
+                        "each --stacked-config form")
     m.add_argument("--json", metavar="FILE", help="also write the rows as a JSON list")
     add_infer_parser(targets)
 
@@ -338,7 +339,7 @@ def bench_model(args: argparse.Namespace) -> int:
           f"{batch} x {seq} tokens a step, {precision}; {env['device']}, torch {env['torch']}", flush=True)
     if args.check and cpu:
         raise UsageError("--check needs a GPU (on CPU the test suite checks the fused path)")
-    if args.check and not check_fused(device):
+    if args.check and not check_forms(device, variants):
         print("fused path check FAILED: nothing timed", file=sys.stderr)
         return 1
 
@@ -871,7 +872,17 @@ def _worst(grads: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> tu
     return errs[name], name
 
 
-def check_fused(device: torch.device) -> bool:
+def check_forms(device: torch.device, variants: list[Variant]) -> bool:
+    """``check_fused`` in each shared-pass form that the fused rows take (``--stacked-config``), stopping at the
+    first that fails."""
+    for stacked in dict.fromkeys(v.stacked for v in variants if v.path == "fused") or [None]:
+        with kernel_forms(stacked):
+            if not check_fused(device, "" if stacked is None else f", stacked {stacked}"):
+                return False
+    return True
+
+
+def check_fused(device: torch.device, label: str = "") -> bool:
     """The fused path against the reference on a small model (d 384, H 8: head width 48 = 32 + 16): loss
     and every gradient, in fp32 (tight) and under bf16 autocast (against an fp32 truth, no further from it
     than three times the bf16 reference, or 5 % for the worst parameter: a bug is off by far more), and
@@ -914,7 +925,7 @@ def check_fused(device: torch.device) -> bool:
         passed = (abs(loss_f32 - loss_t) <= 1e-4 * abs(loss_t) and e32 <= 1e-3 and deterministic
                   and ef <= max(3 * er, 0.05) and abs(loss_f - loss_t) <= max(3 * abs(loss_r - loss_t), 0.02))
         ok &= passed
-        print(f"check {kind} {grouping} H={heads} sites/pass {per_pass}{', norms folded' if fold else ''}: "
+        print(f"check {kind} {grouping} H={heads} sites/pass {per_pass}{', norms folded' if fold else ''}{label}: "
               f"fp32 loss {loss_t:.5f} fused {loss_f32:.5f}, worst grad rel err "
               f"{e32:.1e} ({n32}); bf16 vs fp32 truth: loss ref {loss_r - loss_t:+.1e} fused {loss_f - loss_t:+.1e}, "
               f"worst grad rel err ref {er:.1e} fused {ef:.1e} ({nf}); deterministic {deterministic}: "

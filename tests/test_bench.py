@@ -118,6 +118,27 @@ def test_stacked_config_gives_one_fused_row_per_form_and_launches_it(tmp_path, m
     assert "| stacked |" in table[0] and [line.split("|")[3].strip() for line in table[2:]] == ["–", "off", "4,1,1,16"]
 
 
+def test_check_runs_in_each_stacked_form_and_stops_at_a_failure(monkeypatch):
+    import mhar_ablate.bench as bench
+    from mhar_ablate.kernels import history
+
+    seen = []
+
+    def check(device, label=""):
+        seen.append((history.HISTORY_STACKED_CONFIG, label))
+        return history.HISTORY_STACKED_CONFIG != (32, 1, 3, 16)
+
+    monkeypatch.setattr(bench, "check_fused", check)
+    monkeypatch.setattr(history, "HISTORY_STACKED_CONFIG", (64, 1, 2, 16))
+    variants = all_variants([None], [None], ["off", "32,1,3,16", "4,1,1,32"])
+    assert not bench.check_forms(torch.device("cpu"), variants)
+    assert seen == [(None, ", stacked off"), ((32, 1, 3, 16), ", stacked 32,1,3,16")]  # stopped there
+    assert history.HISTORY_STACKED_CONFIG == (64, 1, 2, 16)
+    seen.clear()
+    assert bench.check_forms(torch.device("cpu"), all_variants([None]))  # the package's form, once
+    assert seen == [((64, 1, 2, 16), "")]
+
+
 def test_cuda_graph_is_refused_on_cpu():
     with pytest.raises(UsageError, match="--cuda-graph"):
         cmd_bench(_args("--device", "cpu", "--preset", "tiny", "--variants", "mhar-full-ref-eager", "--cuda-graph"))
