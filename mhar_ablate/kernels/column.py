@@ -101,9 +101,12 @@ def _column_site(xa, xb, ga, gb, qa, qb, r, lse, delta, dxa, dxb, dr, HAS_B: tl.
     dz = a * (da - delta)
     rdz = dz * r
     dr += dz * u
-    dxa += a[:, :, None] * ga + rdz[:, :, None] * qa
+    # two fused multiply-adds an element, where (a g + rdz q) then its sum takes three
+    dxa = dxa + a[:, :, None] * ga
+    dxa = dxa + rdz[:, :, None] * qa
     if HAS_B:
-        dxb += a[:, :, None] * gb + rdz[:, :, None] * qb
+        dxb = dxb + a[:, :, None] * gb
+        dxb = dxb + rdz[:, :, None] * qb
     return rdz, dxa, dxb, dr
 
 
