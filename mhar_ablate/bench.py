@@ -438,6 +438,8 @@ def interleave(base: Training, base_row: dict, t: Training, row: dict, args: arg
 def sm_clock_mhz(device: torch.device) -> int | None:
     """The GPU's SM clock in MHz over NVML's last sample period (1/6 to 1 s); None off CUDA or where NVML
     does not answer (no pynvml)."""
+    import torch
+
     if device.type != "cuda":
         return None
     try:
