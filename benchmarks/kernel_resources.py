@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sites-per-pass", type=int, default=4)
     p.add_argument("--portable", action="store_true", help="the interpreter's forms instead of the inline PTX")
     p.add_argument("--norms", action="store_true", help="the row and merge kernels with the sublayers' pre-norms "
-                   "folded in (model/residual/fused.py, FOLD_NORMS; its default decides without this)")
+                   "folded in (model/residual/fused.py, FOLD_NORMS_BY_GROUPING: block:K's default)")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET"):
         print("kernel_resources.py: unset TRITON_INTERPRET (it compiles for the GPU)", file=sys.stderr)
@@ -323,9 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     stacked_configs = [tuple(int(v) for v in c.split(",")) for c in args.stacked_configs.split(";") if c.strip()]
     block_g = triton.next_power_of_2(args.sites_per_pass)
     ptx_forms = not args.portable
-    from mhar_ablate.model.residual import fused
-
-    norms = args.norms or fused.FOLD_NORMS
+    norms = args.norms
     kinds = {
         "column": lambda d: column_rows(d, args.heads, configs, ptx_forms),
         "history": lambda d: history_rows(d, args.heads, block_g, fwd_configs, ptx_forms),

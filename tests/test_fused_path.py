@@ -166,6 +166,23 @@ def test_sublayer_norms_are_computed_in_the_routing_kernels(grouping, monkeypatc
         torch.testing.assert_close(folded[1][name], g, rtol=2e-4, atol=2e-6, msg=lambda m: f"{name}: {m}")
 
 
+def test_norms_are_folded_by_default_where_the_grouping_was_measured_faster(monkeypatch):
+    """``fused.FOLD_NORMS_BY_GROUPING``: block:K models (layer is block:1) fold their sublayers' pre-norms into
+    the routing kernels, full ones not; ``FOLD_NORMS`` overrides it; kinds that cannot fold never do."""
+    from mhar_ablate.model.residual import fused
+
+    monkeypatch.setattr(fused, "FOLD_NORMS", None)
+    built = {(kind, grouping): _pair(kind, grouping, 4 if kind == "mhar" else None)[0].residual.fold_norms
+             for kind in ("mhar", "attnres") for grouping in ("full", "layer", "block:2")}
+    assert built == {("mhar", "full"): False, ("mhar", "layer"): True, ("mhar", "block:2"): True,
+                     ("attnres", "full"): False, ("attnres", "layer"): True, ("attnres", "block:2"): True}
+    monkeypatch.setattr(fused, "FOLD_NORMS", False)
+    assert not _pair("mhar", "block:2", 4)[0].residual.fold_norms
+    monkeypatch.setattr(fused, "FOLD_NORMS", True)
+    assert _pair("mhar", "full", 4)[0].residual.fold_norms
+    assert not _pair("delta", "block:2", 4)[0].residual.fold_norms
+
+
 def test_site_plans_cover_every_site_once_and_stay_inside_blocks():
     for sublayers, per_pass in ((1, 4), (4, 4), (6, 4), (2, 8)):
         plans = plan_sites(25, sublayers, per_pass)

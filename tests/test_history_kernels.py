@@ -48,6 +48,7 @@ def test_shared_pass_matches_the_reference(monkeypatch, S, N, d, H, G, block_n, 
     source counts that leave an iteration's last sources missing (2 or 4 sources an iteration)."""
     monkeypatch.setattr(history, "_INTERPRETER_CONFIG", (block_n, 1, stages, sources))
     monkeypatch.setattr(history, "HISTORY_DOT_CONFIG", None)
+    monkeypatch.setattr(history, "HISTORY_STACKED_CONFIG", None)  # the table's form for few sources
     _check_shared_pass(S, N, d, H, G)
 
 
@@ -64,6 +65,7 @@ def test_shared_pass_products_match_the_reference(monkeypatch, S, N, d, H, G, to
     32, a program's tokens leaving the last program part-filled, and the sites' padding."""
     monkeypatch.setattr(history, "_INTERPRETER_DOT_CONFIG", (tokens, 1, 1, max_s))
     monkeypatch.setattr(history, "HISTORY_DOT_MIN_S", (0, 0))
+    monkeypatch.setattr(history, "HISTORY_STACKED_CONFIG", None)
     _check_shared_pass(S, N, d, H, G)
 
 

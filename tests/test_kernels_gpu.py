@@ -245,13 +245,13 @@ def test_history_forward_matches_float64(dtype, S, N, d, H, G, form, monkeypatch
     from mhar_ablate.kernels import history
 
     kind, config = form
+    # each form forced: the stacked one only where asked (the table would take it for few sources)
+    monkeypatch.setattr(history, "HISTORY_STACKED_CONFIG", config if kind == "stacked" else None)
     if kind == "reductions":
         table = {k: {g: (*cfg[:3], config) for g, cfg in by_g.items()} for k, by_g in history.HISTORY_CONFIG.items()}
         monkeypatch.setattr(history, "HISTORY_CONFIG", table)
         monkeypatch.setattr(history, "HISTORY_DOT_CONFIG", None)
-    elif kind == "stacked":
-        monkeypatch.setattr(history, "HISTORY_STACKED_CONFIG", config)
-    else:
+    elif kind == "dot":
         if config != "table":
             monkeypatch.setattr(history, "HISTORY_DOT_CONFIG", config)
         monkeypatch.setattr(history, "HISTORY_DOT_MIN_S", (0, 0))

@@ -1032,9 +1032,12 @@ def _history_dot_forward(sources: Tensor, rms: Tensor, qg: Tensor, meta: dict, o
 # Compiled for sm_90 (benchmarks/kernel_resources.py --only stacked; docs/benchmarks.md "nineteenth round"),
 # with 16 rows its loop issues 0.13-0.15 instructions a byte read, a warp, at d = 1024 and 1280 against the
 # reductions' form's 0.84 and 0.64 (0.19-0.22 against 1.15 at d = 512); 32 rows 0.10-0.11 there, with 196-255
-# registers. Not yet timed on the GPU, hence off. On the interpreter: two tiles a program, so that tests
-# walk a program's tiles and a last tile that overlaps the one before.
-HISTORY_STACKED_CONFIG: tuple[int, int, int, int] | None = None
+# registers. Measured on the H200 in training steps (docs/benchmarks.md "twentieth round"): block:4's shared
+# passes at paper1b 1.7 -> 1.2 ms a step (0.9 in this form, 0.3 for the pass over 9 sources, which takes the
+# reductions'); the step, block:4 against the compiled baseline with --rounds 11: 0.987x against 0.977x at
+# paper350m, 0.976x against 0.974x at paper1b with the norms folded. On the interpreter: two tiles a program,
+# so that tests walk a program's tiles and a last tile that overlaps the one before.
+HISTORY_STACKED_CONFIG: tuple[int, int, int, int] | None = (32, 1, 3, 16)
 _INTERPRETER_STACKED_TILES = 2
 
 

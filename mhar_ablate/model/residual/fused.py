@@ -67,18 +67,20 @@ HEAD_TILED_MAX_WIDTH = 256
 
 
 # Whether new models compute the sublayers' pre-norms in the sites' kernels (``FusedState.read_with_norm``)
-# rather than in the sublayers' compiled graphs (a model's ``residual.fold_norms``). Off: measured on the
-# H200 (docs/benchmarks.md, "seventeenth round"), folded, the rest of a paper1b step took 2.5 ms less but its
-# routing kernels 2.2 ms more (the backward rows, with the norm's row sums, ran at 46-50 % of copy against
-# 75-85 % without), and the backward rows' present form (the norm's statistics read from the forward, one
-# reduction across warps) is not yet measured there. Tests turn it on; bench_kernels.py --norms times its
-# kernels, ``bench model --fold-norms off,on`` the steps.
-FOLD_NORMS = False
+# rather than in the sublayers' compiled graphs (a model's ``residual.fold_norms``), by grouping. block:K on:
+# measured on the H200 (docs/benchmarks.md, "twentieth round"; ``bench model --fold-norms off,on --rounds
+# 11``, the shared passes in the stacked form), folded against unfolded in one process: 0.976x against 0.960x
+# of the compiled baseline at paper1b, 0.983x against 0.987x at paper350m, 0.986x against 0.976x at paper100m
+# (7 rounds); the rest of a paper1b step 1.9-2.3 ms shorter, its routing kernels 0.9 ms longer. full off: not
+# yet timed folded. FOLD_NORMS, when set (tests, benchmarks), overrides the table.
+FOLD_NORMS_BY_GROUPING = {"full": False, "block": True}
+FOLD_NORMS: bool | None = None
 
 
-def fold_norms() -> bool:
-    """The default for new models (read when one is built, so that a test can set it first)."""
-    return FOLD_NORMS
+def fold_norms(blocks: bool) -> bool:
+    """The default for new models, ``blocks`` for block:K grouping (read when one is built, so that a test
+    can set it first)."""
+    return FOLD_NORMS if FOLD_NORMS is not None else FOLD_NORMS_BY_GROUPING["block" if blocks else "full"]
 
 
 def _gain(norm: Tensor) -> Tensor:

@@ -105,7 +105,7 @@ class MHARResidual(Residual):
         # that path computes the sublayers' pre-norms (read_with_norm): per model, so that one process can
         # time both forms side by side.
         self.sites_per_pass = DEFAULT_SITES_PER_PASS
-        self.fold_norms = fold_norms() and self.folds_norms
+        self.fold_norms = fold_norms(k is not None) and self.folds_norms
         std = cfg.query_std()
         self.query = nn.Parameter(torch.randn(self.n_sites, d) * std if std > 0 else torch.zeros(self.n_sites, d))
         self.key_weight = nn.Parameter(torch.ones(self.n_sites, d))
