@@ -323,7 +323,6 @@ def main(argv: list[str] | None = None) -> int:
     stacked_configs = [tuple(int(v) for v in c.split(",")) for c in args.stacked_configs.split(";") if c.strip()]
     block_g = triton.next_power_of_2(args.sites_per_pass)
     ptx_forms = not args.portable
-    norms = args.norms
     kinds = {
         "column": lambda d: column_rows(d, args.heads, configs, ptx_forms),
         "history": lambda d: history_rows(d, args.heads, block_g, fwd_configs, ptx_forms),
@@ -332,9 +331,9 @@ def main(argv: list[str] | None = None) -> int:
         "group": lambda d: group_rows(d, args.heads, group_configs, ptx_forms),
         "query": lambda d: query_rows(d, args.heads, query_configs),
         "row": lambda d: row_bwd_rows(d, args.heads, [int(v) for v in args.row_stages.split(",") if v.strip()],
-                                      norms, [int(v) for v in args.row_warps.split(",") if v.strip()]),
+                                      args.norms, [int(v) for v in args.row_warps.split(",") if v.strip()]),
         "merge": lambda d: merge_rows(d, args.heads, [int(v) for v in args.merge_stages.split(",") if v.strip()],
-                                      norms),
+                                      args.norms),
     }
     only = [k for k in args.only.split(",") if k.strip()] or list(kinds)
     unknown = sorted(set(only) - set(kinds))

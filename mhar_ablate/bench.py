@@ -668,8 +668,7 @@ def _measure(v: Variant, args: argparse.Namespace, batch: int, seq: int, vocab: 
 
         row["sites_per_pass"] = t.model.residual.sites_per_pass
         row["fold_norms"] = t.model.residual.fold_norms
-        with kernel_forms(v.stacked):
-            row["stacked_config"] = _stacked_label(history.HISTORY_STACKED_CONFIG)
+        row["stacked_config"] = v.stacked or _stacked_label(history.HISTORY_STACKED_CONFIG)
     t0 = time.perf_counter()
     for i in range(args.warmup):
         t.step(i)
