@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from mhar_ablate.config import build_config
-from mhar_ablate.model.residual.hc import HyperConnections
+from mhar_ablate.variants.hc import HyperConnections
 
 
 class GlobalStaticHC(HyperConnections):

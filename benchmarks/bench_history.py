@@ -26,7 +26,7 @@ import torch
 
 from bench_kernels import BATCH, copy_bandwidth, parse_configs  # benchmarks/, beside this script
 from bench_stack import graph_time, rel
-from mhar_ablate.bench import markdown_table
+from mhar_ablate.bench.model import markdown_table
 from mhar_ablate.config import RunConfig, load_preset
 from mhar_ablate.kernels import history
 

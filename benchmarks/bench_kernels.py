@@ -58,7 +58,7 @@ import triton
 from bench_stack import graph_time, rel  # benchmarks/, beside this script
 from mhar_ablate.config import RunConfig, load_preset
 from mhar_ablate.kernels.column_group import MAX_GROUP, group_pass
-from mhar_ablate.model.residual.fused import plan_sites
+from mhar_ablate.variants.fused import plan_sites
 
 SITES_PER_PASS = 4
 BLOCK_SITES = 8  # block:4's sites a block (four layers of two sublayers)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mhar_ablate.bench import add_bench_parser, cmd_bench
+from mhar_ablate.bench.cli import add_bench_parser, cmd_bench
 from mhar_ablate.errors import UsageError
 
 

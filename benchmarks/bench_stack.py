@@ -27,7 +27,7 @@ import torch
 
 from mhar_ablate.config import build_config
 from mhar_ablate.kernels import column, history
-from mhar_ablate.model.residual import build_residual
+from mhar_ablate.variants import build_residual
 
 
 def make(grouping: str, d: int, layers: int, heads: int, backend: str, device: str, query_std: float = 0.5):

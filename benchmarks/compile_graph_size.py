@@ -30,10 +30,10 @@ import time
 
 import torch
 
-from mhar_ablate.bench import cell, markdown_table
+from mhar_ablate.bench.model import cell, markdown_table
 from mhar_ablate.config import build_config
 from mhar_ablate.model import Decoder
-from mhar_ablate.model.residual import mhc
+from mhar_ablate.variants import mhc
 from mhar_ablate.training.step import make_loss
 
 TINY = {"model.d_model": "64", "model.ffn": "128", "model.n_heads": "4", "model.n_kv_heads": "2"}

@@ -26,7 +26,7 @@ import torch
 
 from mhar_ablate.config import build_config
 from mhar_ablate.model import Decoder
-from mhar_ablate.model.residual import RESIDUALS
+from mhar_ablate.variants import RESIDUALS
 from mhar_ablate.training.run import arm_label
 from mhar_ablate.training.step import TrainStep, make_loss, make_optimizer
 

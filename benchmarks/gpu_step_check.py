@@ -34,7 +34,7 @@ HEADS = 8  # bench model's default --heads
 
 def train_overrides(name: str) -> list[str]:
     """`train` overrides for the `bench model` variant NAME (its name less -eager/-compiled): the same model."""
-    from mhar_ablate.bench import all_variants
+    from mhar_ablate.bench.variants import all_variants
 
     v = next((v for v in all_variants([None]) if v.name == f"{name}-eager"), None)
     if v is None:

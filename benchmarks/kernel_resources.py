@@ -34,7 +34,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from mhar_ablate.bench import markdown_table
+from mhar_ablate.bench.model import markdown_table
 from mhar_ablate.kernels import column, column_group, history
 from mhar_ablate.kernels.launch import head_meta, products_fit
 

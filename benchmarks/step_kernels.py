@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from mhar_ablate.bench import PAPER_BATCH, PAPER_VOCAB, Training, all_variants, select_variants
+from mhar_ablate.bench.variants import PAPER_BATCH, PAPER_VOCAB, all_variants, select_variants
+from mhar_ablate.bench.step import Training
 from mhar_ablate.config import build_config
 
 

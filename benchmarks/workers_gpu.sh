@@ -31,7 +31,7 @@ check "both workers trained trials" "grep -q '^w0: \[' '$OUT/study.log' && grep 
 python3 - "$OUT/o" > "$OUT/grid.txt" 2>&1 <<'PY'
 import sys, collections, optuna
 from pathlib import Path
-from mhar_ablate.study import open_storage
+from mhar_ablate.sweep.catalog import open_storage
 out = Path(sys.argv[1])
 study = optuna.load_study(study_name="heads-steps", storage=open_storage(f"journal://{(out / 'studies.journal').resolve()}", create=False))
 done = collections.Counter(t.user_attrs.get("grid_point") for t in study.trials if t.state.name == "COMPLETE")

@@ -99,7 +99,7 @@ class ModelConfig:
 class ResidualConfig:
     """The shared residual keys, and each kind's own settings (``residual.<kind>.<name>``).
 
-    The kinds, their settings classes and their checks live in the registry, ``model/residual``: this class
+    The kinds, their settings classes and their checks live in the registry, ``variants/``: this class
     holds the values. A kind's settings object is made from the registry the first time it is asked for
     (``settings``); only the run's own kind's settings are saved (``RunConfig.to_dict``).
     """
@@ -183,8 +183,8 @@ class ResidualConfig:
 
 
 def kind_class(kind: str) -> Any:
-    """The registered class of a residual kind (``model/residual/__init__.py``, ``RESIDUALS``)."""
-    from .model.residual import RESIDUALS  # the registry is the one list of kinds
+    """The registered class of a residual kind (``variants/__init__.py``, ``RESIDUALS``)."""
+    from .variants import RESIDUALS  # the registry is the one list of kinds
 
     if kind not in RESIDUALS:
         raise UsageError(f"unknown residual.kind {kind!r}: choose one of {', '.join(RESIDUALS)}")
@@ -518,7 +518,7 @@ def apply(cfg: RunConfig, updates: dict[str, Any], where: str = "") -> None:
 
 def _apply_kind_setting(res: ResidualConfig, parts: list[str], value: Any, key: str, src: str) -> None:
     """``residual.<kind>.<name>=value``: one of a kind's own settings."""
-    from .model.residual import RESIDUALS
+    from .variants import RESIDUALS
 
     with_settings = [k for k, c in RESIDUALS.items() if c.Settings is not None]
     kind = parts[1]

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from mhar_ablate.cli import main
 from mhar_ablate.config import build_config, from_dict
 from mhar_ablate.model import Decoder, count_parameters, routing_overhead
-from mhar_ablate.model.residual import RESIDUALS
-from mhar_ablate.model.residual.mhc import sinkhorn
+from mhar_ablate.variants import RESIDUALS
+from mhar_ablate.variants.mhc import sinkhorn
 from mhar_ablate.training.run import arm_label
 
 VOCAB = 64
@@ -369,7 +369,7 @@ def test_info_works_for_every_kind(capsys):
 
 
 def test_bench_gives_every_kind_rows(tmp_path):
-    from mhar_ablate.bench import all_variants, select_variants
+    from mhar_ablate.bench.variants import all_variants, select_variants
 
     names = [v.name for v in all_variants([None])]
     for kind in RESIDUALS:
@@ -389,7 +389,7 @@ def test_bench_gives_every_kind_rows(tmp_path):
 
 
 def test_baselines_study_arms():
-    from mhar_ablate.study import StudyDefinition
+    from mhar_ablate.sweep.definition import StudyDefinition
 
     d = StudyDefinition.load("baselines")
     kinds = set()

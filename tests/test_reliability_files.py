@@ -69,7 +69,8 @@ def test_checkpoints_are_replaced_atomically(tmp_path, monkeypatch):
     import lightning
 
     from mhar_ablate.config import build_config
-    from mhar_ablate.training.run import read_checkpoint, train_run
+    from mhar_ablate.model.weights import read_checkpoint
+    from mhar_ablate.training.run import train_run
 
     cfg = build_config(overrides=dict(a.split("=", 1) for a in FAST) | {"train.steps": "12"})
     calls = {"n": 0}

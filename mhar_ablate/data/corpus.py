@@ -20,8 +20,7 @@ from tqdm import tqdm
 
 from ..config import DataConfig
 from ..errors import UsageError
-from .cache import (CACHE_FORMAT, HashingWriter, cache_root, digest, ensure_dir, exclusive, manifest_path,
-                    read_artifact, write_artifact)
+from .cache import CACHE_FORMAT, HashingWriter, cache_root, digest, ensure_dir, exclusive, manifest_path, read_artifact, write_artifact
 from .sources import Source, resolve_source
 from .tokenizer import Tokenizer, load_tokenizer, token_dtype
 

@@ -1,4 +1,4 @@
-"""Triton kernels of the fused training path's forward (``model/residual/fused.py``): routing sites that
+"""Triton kernels of the fused training path's forward (``variants/fused.py``): routing sites that
 read a buffer of sources in place, alone or several at once over a shared history; and the per-site
 backward of the sources a site reads beyond the buffer (a block's partial sum). The gradients of the
 buffer's slots are ``column``'s.

@@ -226,7 +226,7 @@ class BudgetCallback(L.Callback):
         weights = module.model.residual.last_weights()
         if weights is None:
             return
-        from ..reporting.heatmap import routing_image
+        from .heatmap import routing_image
 
         # rows: routing sites (last = final), columns: sources (0 = embedding), one panel per head
         writer.add_image("routing/depth_weights", routing_image(weights), step, dataformats="HWC")

@@ -13,8 +13,6 @@ other checkpoint holds everything a resumed run needs.
 
 from __future__ import annotations
 
-import os
-import pickle
 from pathlib import Path
 from typing import Any
 
@@ -32,40 +30,6 @@ RECORD = "mhar_ablate"
 # over between them.
 NOT_IDENTITY = ("train.threads", "train.checkpoint_every", "train.heatmap_every", "train.log_every", "train.compile",
                 "train.cuda_graph", "residual.backend")
-
-
-def _file_id(path: Path) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def read_checkpoint(path: Path, mmap: bool = False) -> dict[str, Any]:
-    """Load a checkpoint without unpickling arbitrary objects (``weights_only``): a tampered file is
-    refused, never executed. An unreadable one is a clear error, not a traceback. ``mmap`` maps the
-    tensors instead of reading them (a check of a multi-GB checkpoint then costs little).
-
-    A training run replaces its checkpoint by renaming a new file over it, and another process may read it
-    meanwhile (a study's workers check the checkpoints of the points still to train). ``torch.load`` with
-    ``mmap`` opens the file by name twice, so a replacement between the two reads one file's header against
-    the other's size: a read that fails while the file was replaced is tried again."""
-    for attempt in range(3):
-        before = _file_id(path)
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-            break
-        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, KeyError) as e:
-            if attempt < 2 and before is not None and _file_id(path) not in (None, before):
-                continue
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UsageError(f"checkpoint {path} cannot be loaded safely ({first[:160]}); "
-                             "delete it to restart this run from the beginning") from None
-    if not isinstance(state, dict) or not isinstance(state.get("state_dict"), dict) or "global_step" not in state:
-        raise UsageError(f"checkpoint {path} is not a checkpoint of an mhar-ablate run; "
-                         "delete it to restart this run from the beginning")
-    return state
 
 
 def identity(cfg: RunConfig) -> dict[str, Any]:

@@ -42,8 +42,8 @@ from . import distributed
 from ..model.flops import training_flops_per_token
 from .budget import Budget, flops_budget_steps, format_seconds
 from .callbacks import BudgetCallback, ProgressBar
-from .checkpoint import (CHECKPOINT, RECORD, check_fits, checkpoint_bytes, identity, identity_differences,
-                         read_checkpoint, record_of, resume_point)
+from .checkpoint import CHECKPOINT, RECORD, check_fits, checkpoint_bytes, identity, identity_differences, record_of, resume_point
+from ..model.weights import read_checkpoint
 from .module import LMModule
 from .stop import StopNow, StopRequest
 
@@ -63,7 +63,7 @@ def quiet_lightning() -> None:
 
 def arm_label(cfg: RunConfig) -> str:
     """What an arm is, in a few characters: baseline, attnres, mhar-h8, mhar-h8-block:4, hc-n4, ...
-    (each kind's ``label`` in the registry, model/residual)."""
+    (each kind's ``label`` in the registry, variants/)."""
     from ..config import kind_class
 
     return kind_class(cfg.residual.kind).label(cfg.residual)
@@ -506,6 +506,6 @@ def _hparams(cfg: RunConfig) -> dict[str, Any]:
 
 def _save_heatmap(run_dir: Path, weights, label: str) -> None:
     from ..io import write_bytes
-    from ..reporting.heatmap import routing_png
+    from .heatmap import routing_png
 
     write_bytes(run_dir / "routing.png", routing_png(weights, label))

@@ -15,8 +15,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from ..export import ExtraColumn, StudyTable
-from .tasks import EVAL_DIR, metric_rows
+from .table import ExtraColumn, StudyTable
+from ..evaluation.tasks import EVAL_DIR, metric_rows
 
 
 def run_dir_of(folder: Path, arm: str, seed: int) -> Path:

@@ -35,9 +35,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .bench import (PAPER_VOCAB, Variant, add_shared_options, all_variants, attempt, bench_device, build_model,
-                    cell, markdown_table, routing_heads)
-from .errors import UsageError
+from .variants import PAPER_VOCAB, Variant, all_variants
+from .step import attempt, build_model, routing_heads
+from .options import add_shared_options, bench_device
+from .model import cell, markdown_table
+from ..errors import UsageError
 
 CPU_SEQ, CPU_NEW_TOKENS = 16, 4  # --device cpu: a smoke run, not a measurement
 
@@ -98,7 +100,7 @@ def _batches(text: str) -> list[int]:
 def bench_infer(args: argparse.Namespace) -> int:
     import torch
 
-    from .config import build_config
+    from ..config import build_config
 
     device = bench_device(args, "bench infer")
     if args.heads < 1 or args.repeats < 1:

@@ -16,7 +16,6 @@ shared device.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import sys
@@ -24,8 +23,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .errors import UsageError
+from ..errors import UsageError
 from . import storage as st
+from ..processes import NotATerminal, die_with_parent
 
 
 @dataclass(frozen=True)
@@ -122,28 +122,6 @@ def pin(slot: Slot) -> None:
         os.environ["MHAR_ABLATE_CORES"] = ",".join(map(str, slot.cores))  # DDP ranks split these further
 
 
-def die_with_parent(sig: int = signal.SIGTERM) -> None:
-    """Linux: get ``sig`` when the parent process ends, so a killed ``study`` leaves no orphan training."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-class _NotATerminal:
-    """stderr for a worker process: its runs draw no progress bars over each other's."""
-
-    def __init__(self, stream):
-        self._stream = stream
-
-    def isatty(self) -> bool:
-        return False
-
-    def __getattr__(self, name):
-        return getattr(self._stream, name)
-
-
 # --------------------------------------------------------------------------- the grid as a queue
 
 
@@ -210,9 +188,9 @@ def work(sr, study, configs, tuned: dict[str, float], slot: Slot, log: Callable[
     import optuna
     from optuna.trial import TrialState
 
-    from .errors import UsageError
-    from .study import DONE_STATES, _pruning_reporter, _record, drop_checkpoints
-    from .training.run import quiet_lightning, train_run
+    from ..errors import UsageError
+    from .trials import DONE_STATES, pruning_reporter, record_result, drop_checkpoints
+    from ..training.run import quiet_lightning, train_run
 
     quiet_lightning()
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # surplus trials are expected, not worth a warning
@@ -246,13 +224,13 @@ def work(sr, study, configs, tuned: dict[str, float], slot: Slot, log: Callable[
         title = f"[{done_count() + 1}/{len(grid)}] {arm} s{seed}: "
         if "failed_trial" in _system_attrs(study, trial):
             log(f"{title}resuming from the checkpoint of a worker that died")
-        on_eval = _pruning_reporter(trial, sr.budget, cfg) if sr.prune else None
+        on_eval = pruning_reporter(trial, sr.budget, cfg) if sr.prune else None
         try:
             result = train_run(cfg, run_dir, cache, resume=True, on_eval=on_eval, log=log, title=title, stop=stop,
                                position=1, log_evals=False, allow_version_change=sr.allow_version_change)
         except UsageError as e:
             raise UsageError(f"arm {arm!r} seed {seed}: {e}") from None
-        _record(trial, result)
+        record_result(trial, result)
         status = result["status"]
         if status == "interrupted":
             summary["interrupted"] = True
@@ -326,14 +304,15 @@ def _child(slot: Slot, sr, url: str, configs, tuned, results) -> None:
     os.setpgrp()
     die_with_parent(signal.SIGTERM)
     pin(slot)
-    sys.stderr = _NotATerminal(sys.stderr)
-    from .study import _log, open_storage
-    from .training.stop import stop_on_signals
+    sys.stderr = NotATerminal(sys.stderr)
+    from ..console import log_line
+    from .catalog import open_storage
+    from ..training.stop import stop_on_signals
 
     import optuna
 
     prefix = f"w{slot.index}: "
-    log = lambda m: _log(prefix + m)  # noqa: E731
+    log = lambda m: log_line(prefix + m)  # noqa: E731
     storage = open_storage(url, create=False, heartbeat=sr.heartbeat)
     study = optuna.load_study(study_name=sr.key, storage=storage, pruner=make_pruner(sr),
                               sampler=optuna.samplers.RandomSampler(seed=slot.index))

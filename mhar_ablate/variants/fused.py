@@ -259,7 +259,7 @@ class FusedState:
                                "residual.backend=reference")
 
     def write_slot(self, slot: int, source: Tensor, addend: Tensor | None = None) -> None:
-        from ...kernels.history import write_slot
+        from ..kernels.history import write_slot
 
         flat = None if addend is None else addend.reshape(self.N, self.d).contiguous()
         write_slot(source.reshape(self.N, self.d).contiguous(), self.buffer[slot], self.rms[slot], self.res.eps,
@@ -276,7 +276,7 @@ class FusedState:
         """The site's input (B, T, d), the block partial sum it read (``partial`` itself, or with ``addend``,
         the block's last output, their sum, made in the site's own pass), and with ``norm`` (a pre-norm's
         gain) the input after that norm, made in the pass that writes the input where one does."""
-        from ...kernels.history import Norm, history_forward, norm_rows, sites_forward
+        from ..kernels.history import Norm, history_forward, norm_rows, sites_forward
 
         plan = self.plans[site]
         N, d, H, eps = self.N, self.d, self.res.num_heads, self.res.eps
@@ -337,7 +337,7 @@ class FusedState:
 
     def _backward_buffers(self) -> None:
         if self.grads is None:
-            from ...kernels.column import GradRows, grads_in_place
+            from ..kernels.column import GradRows, grads_in_place
 
             n, dev = self.res.n_sites, self.buffer.device
             if grads_in_place(self.d):
@@ -352,14 +352,14 @@ class FusedState:
             self.dqg, self.dnorm = self.param_grads[0], self.param_grads[1]
             # Every slot's dz * r, (H, S_j, N) one after the other, for the query gradients' one product
             # over all slots (``parameter_grads``).
-            from ...kernels.column import dzr_rows
+            from ..kernels.column import dzr_rows
 
             rows = dzr_rows(self.buffer.shape[0], n, self.res.block_sublayers)
             self.dzr = torch.empty(rows * self.res.num_heads * self.N, dtype=torch.float32, device=dev)
             self.dzr_written = [False] * self.buffer.shape[0]
             # The backward's passes by slot, and the carries a pass over several slots leaves for the
             # slots below its own.
-            from ...kernels.column import Carry, carry_rows, group_slots, pairs_slots, slot_passes
+            from ..kernels.column import Carry, carry_rows, group_slots, pairs_slots, slot_passes
 
             H = self.res.num_heads
             K = self.res.block_sublayers
@@ -370,7 +370,7 @@ class FusedState:
 
     def _dzr_of(self, slot: int) -> Tensor:
         """Slot ``slot``'s (H, S, N) block of ``dzr``: dz * r of the S sites that read it."""
-        from ...kernels.column import dzr_block
+        from ..kernels.column import dzr_block
 
         return dzr_block(self.dzr, slot, self.res.n_sites, self.res.block_sublayers, self.res.num_heads, self.N)
 
@@ -381,7 +381,7 @@ class FusedState:
         block partial sum the site read, if any, plus ``base`` (the gradient it has from the later sums), and
         with ``norm`` (the folded pre-norm's gain; ``grad_out`` is then the normalised input's gradient) the
         gain's gradient."""
-        from ...kernels.history import Norm, sites_backward
+        from ..kernels.history import Norm, sites_backward
 
         self._refuse_released()
         self._backward_buffers()
@@ -431,7 +431,7 @@ class FusedState:
     def slot_grad(self, slot: int) -> Tensor:
         """The slot's gradient (N, d), from every site that reads it: sites [first, n_sites), in the pass
         ``kernels.column.slot_passes`` plans for it (with the slot below, or finishing a carry)."""
-        from ...kernels.column import run_pass
+        from ..kernels.column import run_pass
 
         self._refuse_released()
         if self.grads is None:  # no site's output reached the loss
@@ -460,7 +460,7 @@ class FusedState:
         """Gradients of the routing queries and key gains, from the summed gradient of their product."""
         if self.dqg is None:
             return None, None
-        from ...kernels.column import query_grads
+        from ..kernels.column import query_grads
 
         for slot, written in enumerate(self.dzr_written):
             if not written:  # its writer's backward did not run: it contributes nothing

@@ -1,25 +1,8 @@
-"""Residual-stream variants behind one interface, and the registry that names them.
+"""The interface every residual-stream variant implements (``Residual``), and what the variants share.
 
-A variant decides what each sublayer reads and how its output is kept. The decoder calls, per batch:
-
-    state = residual.start(x0)                 # x0: token embeddings (B, T, d)
-    for site in range(2 * n_layers):           # attention, MLP, attention, MLP, ...
-        x, normed = residual.read_with_norm(state, site, sublayer.norm)  # the sublayer's input
-        residual.write(state, site, sublayer(x, normed=normed))
-    h = residual.finish(state)                 # what the output norm sees
-
-``read`` returns one tensor (B, T, d), or for an attention site of a multiway variant (MUDDFormer) a
-triple (queries', keys', values' input), normalised one by one. ``read_with_norm`` returns it with the
-sublayer's pre-norm of it, where the variant computes that norm in its own kernels (MHAR's fused path
-does: ``fused.py``), or None, the sublayer's to compute.
-
-A variant is one module: its class implements ``Residual`` and carries, as class attributes, what the
-rest of the package asks of a kind without building a model: its settings (a small dataclass whose
-fields are the ``residual.<kind>.<name>`` keys), the shared ``residual.*`` keys it reads, its check of
-the configuration, its label in run names and tables, whether it has a fused GPU path, whether it
-records depth weights, its own training FLOPs per token (``routing_flops``, which the flops budget
-counts), and the rows it adds to ``mhar-ablate bench model``. ``RESIDUALS`` below is the one
-list of kinds: the configuration, the command line, studies, results, export and ``bench model`` read it.
+A variant is one module beside this one: its class implements ``Residual`` and carries, as class
+attributes, what the rest of the package asks of a kind without building a model (see the registry in
+``__init__.py``).
 """
 
 from __future__ import annotations
@@ -74,7 +57,7 @@ class Residual(nn.Module):
     @classmethod
     def bench_variants(cls) -> dict[str, dict[str, str]]:
         """``bench model`` rows of a kind without a fused path: row name -> its residual.<kind>.* overrides.
-        (Kinds with a fused path get the grouping x path rows instead, see bench.py.)"""
+        (Kinds with a fused path get the grouping x path rows instead, see bench/variants.py.)"""
         return {cls.kind: {}}
 
     kind: ClassVar[str] = ""  # set by the registry below
@@ -122,29 +105,3 @@ def separate_rng():
     kind starts from the baseline's sublayer weights, and arms are compared from the same start."""
     return torch.random.fork_rng(devices=[])
 
-
-from .baseline import BaselineResidual  # noqa: E402  (the variants import Residual above)
-from .delta import DeltaResidual  # noqa: E402
-from .denseformer import DenseFormerResidual  # noqa: E402
-from .hc import HyperConnections  # noqa: E402
-from .mhc import ManifoldHyperConnections  # noqa: E402
-from .muddformer import MUDDFormerResidual  # noqa: E402
-from .routed import AttnResResidual, MHARResidual  # noqa: E402
-
-RESIDUALS: dict[str, type[Residual]] = {
-    "baseline": BaselineResidual,
-    "attnres": AttnResResidual,
-    "mhar": MHARResidual,
-    "delta": DeltaResidual,
-    "hc": HyperConnections,
-    "mhc": ManifoldHyperConnections,
-    "denseformer": DenseFormerResidual,
-    "muddformer": MUDDFormerResidual,
-}
-for _kind, _cls in RESIDUALS.items():
-    _cls.kind = _kind
-
-
-def build_residual(cfg: Any, model: Any) -> Residual:
-    """``cfg``: ResidualConfig, ``model``: ModelConfig (validated)."""
-    return RESIDUALS[cfg.kind](cfg, model)

@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import Tensor
 
-from . import Residual
+from .base import Residual
 
 
 class BaselineResidual(Residual):

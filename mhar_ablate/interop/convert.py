@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .config import RunConfig, build_config, flatten, load_yaml
-from .errors import UsageError
+from ..config import RunConfig, build_config, flatten, load_yaml
+from ..errors import UsageError
 
 INIT_FILE = "init.safetensors"
 # The model keys a conversion takes from its source; the user may set only the training length.
@@ -76,8 +76,9 @@ def read_source(path: str | Path) -> Source:
 
 
 def read_package(run_dir: Path, ckpt: Path) -> Source:
-    from .model.weights import RESIDUAL_PREFIX
-    from .training.run import load_run_config, read_checkpoint
+    from ..model.weights import RESIDUAL_PREFIX
+    from ..training.run import load_run_config
+    from ..model.weights import read_checkpoint
 
     cfg = load_run_config(run_dir)
     if cfg.residual.kind != "baseline":
@@ -225,7 +226,7 @@ def tokenizer_vocab(cfg: RunConfig) -> int:
         return 256
     if cfg.data.tokenizer == "bpe":
         return cfg.data.vocab_size
-    from .data.tokenizer import FileTokenizer
+    from ..data.tokenizer import FileTokenizer
 
     return FileTokenizer(Path(cfg.data.tokenizer)).vocab_size
 
@@ -233,9 +234,9 @@ def tokenizer_vocab(cfg: RunConfig) -> int:
 def build_converted(cfg: RunConfig, state: dict[str, Tensor], where: str):
     """The delta model holding ``state``, and the largest logit difference to the same weights run as a
     pre-norm (baseline) decoder on random tokens (0.0 when the conversion is exact)."""
-    from .model import Decoder
-    from .model.residual.baseline import BaselineResidual
-    from .model.weights import load_initial
+    from ..model import Decoder
+    from ..variants.baseline import BaselineResidual
+    from ..model.weights import load_initial
 
     torch.manual_seed(cfg.seed)
     model = Decoder(cfg.model, cfg.residual, cfg.model.vocab_size)
@@ -255,8 +256,8 @@ def convert(source: str, heads: int, blocks: int, output: Path, config_file: str
             overrides: dict[str, Any], log=print) -> Path:
     from safetensors.torch import save_file
 
-    from .io import commit, write_text
-    from .training.run import new_run_dir
+    from ..io import commit, write_text
+    from ..training.run import new_run_dir
 
     import yaml
 

@@ -40,13 +40,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...errors import UsageError
-from . import Residual, separate_rng
+from ..errors import UsageError
+from .base import Residual, separate_rng
 from .hc import check_rate, expand_streams, mix_streams
-
-# Floor of a column sum in Sinkhorn-Knopp: far below any sum a softmax'd row can give, but not zero (the
-# Triton kernels in kernels/sinkhorn.py take it from here).
-COLUMN_FLOOR = 1e-30
+from ..kernels.reference import COLUMN_FLOOR
 
 
 @dataclass
@@ -60,7 +57,7 @@ def sinkhorn(logits: Tensor, iters: int) -> Tensor:
     """Doubly stochastic (..., n, n) from logits: exp, then alternately rows and columns normalised,
     ``iters`` times each (the first row normalisation is a softmax: exp without overflow)."""
     if logits.is_cuda:
-        from ...kernels.sinkhorn import sinkhorn_triton  # imports triton: only where it runs
+        from ..kernels.sinkhorn import sinkhorn_triton  # imports triton: only where it runs
 
         return sinkhorn_triton(logits, iters)
     return sinkhorn_reference(logits, iters)

@@ -14,9 +14,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from .config import BUDGETS
-from .errors import UsageError
-from .redaction import redact, register
+from ..config import BUDGETS
+from ..errors import UsageError
+from ..redaction import redact, register
 
 
 OVERRIDE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*=")
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--print", dest="print_only", action="store_true", help="print the command instead of running it")
     _common(b)
 
-    from .bench import add_bench_parser
+    from ..bench.cli import add_bench_parser
 
     add_bench_parser(sub)
 
@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, str]:
-    from .config import parse_duration, parse_flops, parse_overrides
+    from ..config import parse_duration, parse_flops, parse_overrides
 
     o = parse_overrides(args.overrides)
     if getattr(args, "preset", None):
@@ -158,8 +158,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, str]:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from .config import build_config, kind_class
-    from .model import routing_overhead
+    from ..config import build_config, kind_class
+    from ..model import routing_overhead
 
     cfg = build_config(args.config, _overrides(args))
     vocab = cfg.model.vocab_size or (256 if cfg.data.tokenizer == "byte" else cfg.data.vocab_size)
@@ -169,8 +169,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     settings = f" ({', '.join(f'{k}={v}' for k, v in vars(own).items())})" if own is not None else ""
     label = kind_class(cfg.residual.kind).label(cfg.residual)  # arm_label's, without importing Lightning
     print(f"{label}{settings} parameters: {n:,}; baseline: {nb:,}; routing overhead: {pct:+.4f} %")
-    from .config import format_flops
-    from .model.flops import flops_per_token
+    from ..config import format_flops
+    from ..model.flops import flops_per_token
 
     f, fb = flops_per_token(cfg.model, cfg.residual, vocab), flops_per_token(cfg.model, type(cfg.residual)(kind="baseline"), vocab)
     tokens = cfg.train.batch_size * cfg.model.seq_len
@@ -207,10 +207,10 @@ def _warn_unused_budget_options(args: argparse.Namespace, budget: str, study: bo
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .config import build_config
-    from .io import check_writable_folder
-    from .training.run import find_run, load_run_config, new_run_dir, train_run
-    from .training.stop import stop_on_signals
+    from ..config import build_config
+    from ..io import check_writable_folder
+    from ..training.run import find_run, load_run_config, new_run_dir, train_run
+    from ..training.stop import stop_on_signals
 
     output = Path(args.output)
     if args.resume:
@@ -231,11 +231,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         check_writable_folder(output)
         run_dir = new_run_dir(output, cfg)
     cache = output / "cache"
-    from .data import load_corpus
+    from ..data import load_corpus
 
     corpus = load_corpus(cfg.data, cache)  # cached: train_run reuses it
     print(f"data: {corpus.info.describe()}", flush=True)
-    from .training.final_eval import shortfall
+    from ..training.final_eval import shortfall
 
     note = shortfall(cfg.data.val_fraction, len(corpus.val), len(corpus.train) + len(corpus.val), cfg.model.seq_len,
                      cfg.final_sequences())
@@ -255,7 +255,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .convert import convert
+    from ..interop.convert import convert
 
     if args.heads < 1 or args.blocks < 1:
         raise UsageError(f"--heads and --blocks must be at least 1, got {args.heads} and {args.blocks}")
@@ -267,8 +267,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_study(args: argparse.Namespace) -> int:
-    from .study import StudyDefinition, StudyRun, run_study
-    from .training.stop import stop_on_signals
+    from ..sweep.definition import StudyDefinition, StudyRun
+    from ..sweep.driver import run_study
+    from ..training.stop import stop_on_signals
 
     definition = StudyDefinition.load(args.name)
     budget = args.budget or "steps"
@@ -280,7 +281,7 @@ def cmd_study(args: argparse.Namespace) -> int:
         raise UsageError(f"--output {args.output} is a file, not a folder")
     if args.heartbeat < 1:
         raise UsageError(f"--heartbeat must be at least 1 second, got {args.heartbeat}")
-    from .config import parse_overrides
+    from ..config import parse_overrides
 
     given = parse_overrides(args.overrides)
     _overrides(args)  # a bad value (--time soon) is an error before any warning
@@ -307,8 +308,9 @@ def cmd_study(args: argparse.Namespace) -> int:
         print(f"error: {summary['workers_died']} worker(s) died and {len(sr.grid()) - summary['done']} grid point(s) are "
               f"unfinished: rerun `{_command_line(args)}` to resume them", file=sys.stderr)
         return 1
-    from .export import build_table, render
-    from .study import load_studies
+    from ..reporting.table import build_table
+    from ..reporting.render import render
+    from ..sweep.catalog import load_studies
 
     (study,) = load_studies(Path(args.output), definition.name, budget, args.storage)
     print()
@@ -330,8 +332,9 @@ def _command_line(args: argparse.Namespace) -> str:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .export import build_table, export, rankings, verdicts
-    from .study import load_studies, study_folder
+    from ..reporting.table import build_table
+    from ..reporting.export import export, rankings, verdicts
+    from ..sweep.catalog import load_studies, study_folder
 
     output = Path(args.output)
     if args.target_loss is not None and not (math.isfinite(args.target_loss) and args.target_loss > 0):
@@ -348,7 +351,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(verdicts(tables), file=sys.stderr)
         side = rankings(tables)
         if side:
-            from .io import write_text
+            from ..io import write_text
 
             path = study_folder(output, studies[0], args.name).parent / "rankings.md"
             write_text(path, f"### {tables[0].name}: the ranking under each budget\n\n{side}")
@@ -358,7 +361,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .evaluation.command import EvalOptions, eval_run_command, eval_study_command, parse_tasks
+    from .eval import EvalOptions, eval_run_command, eval_study_command, parse_tasks
 
     if (args.run is None) == (args.study is None):
         raise UsageError("eval takes one RUN or --study NAME")
@@ -392,7 +395,7 @@ def cmd_tensorboard(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import cmd_bench as run
+    from ..bench.cli import cmd_bench as run
 
     return run(args)
 
@@ -425,7 +428,7 @@ def _register_storage(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .training.stop import StopNow
+    from ..training.stop import StopNow
 
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv

@@ -29,7 +29,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterator
 
-from .errors import UsageError
+from ..errors import UsageError
 
 SQLITE_FILE = "studies.db"
 JOURNAL_FILE = "studies.journal"
@@ -76,7 +76,7 @@ def without_password(url: str) -> str:
     try:
         from sqlalchemy.engine import URL, make_url
 
-        from .redaction import without_secret_params
+        from ..redaction import without_secret_params
 
         u = make_url(url)  # URL.set(password=None) would keep the password: build the URL anew without it
         return URL.create(u.drivername, u.username, None, u.host, u.port, u.database,
@@ -157,7 +157,7 @@ def _registry(output: Path) -> dict[str, str]:
 def record(output: Path, key: str, url: str) -> None:
     """Remember which storage holds study ``key`` (password removed), for reruns and ``export``.
     The caller holds ``output_lock`` (a second flock from this process would wait for itself)."""
-    from .io import write_json
+    from ..io import write_json
 
     reg = _registry(output)
     value = _relative_to(output, url) or without_password(url)

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...errors import UsageError
-from . import Residual
+from ..errors import UsageError
+from .base import Residual
 
 
 @dataclass

@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...errors import UsageError
-from ...kernels.reference import routing_weights
-from ...ops import mhar_route
-from . import Residual
+from ..errors import UsageError
+from ..kernels.reference import routing_weights
+from ..ops import mhar_route
+from .base import Residual
 from .fused import DEFAULT_SITES_PER_PASS, FusedState, fold_norms, fused_supported, routing_range
 
 
@@ -203,7 +203,7 @@ def _fused_read(state: FusedState, site: int) -> Tensor:
 
 @torch.compiler.disable
 def _fused_read_with_norm(state: FusedState, site: int, norm: nn.Module) -> tuple[Tensor, Tensor | None]:
-    from ..transformer import RMSNorm
+    from ..norm import RMSNorm
 
     with routing_range():
         if type(norm) is RMSNorm:  # the norm the kernels compute

@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import UsageError
-from .tasks import (already_done, evaluate_run, metric_rows, render_rows, require_lm_eval, results_path, settings_of,
-                    task_manager)
+from ..evaluation.tasks import already_done, evaluate_run, metric_rows, render_rows, require_lm_eval, results_path, settings_of, task_manager
 
 
 @dataclass
@@ -74,7 +73,7 @@ def eval_one(run_dir: Path, output: Path, opts: EvalOptions, manager, device: st
              log: Callable[[str], None]) -> tuple[dict[str, Any], Path, bool]:
     """(eval data, its file, whether it was computed now) for one run folder."""
     from ..io import write_json
-    from .trained import load_trained
+    from ..evaluation.trained import load_trained
 
     run = load_trained(run_dir, output / "cache", device)
     path = results_path(run_dir, opts.tasks)
@@ -94,7 +93,7 @@ def eval_one(run_dir: Path, output: Path, opts: EvalOptions, manager, device: st
 def eval_run_command(name: str, output: Path, opts: EvalOptions, log: Callable[[str], None] = print) -> int:
     from ..training.run import find_run
 
-    from .trained import require_weights
+    from ..evaluation.trained import require_weights
 
     run_dir = find_run(output, name)
     require_weights(run_dir)
@@ -108,10 +107,11 @@ def eval_run_command(name: str, output: Path, opts: EvalOptions, log: Callable[[
 
 def eval_study_command(name: str, output: Path, opts: EvalOptions, budget: str | None, storage: str | None,
                        log: Callable[[str], None] = print) -> int:
-    from ..export import build_table, render
-    from ..study import load_studies, study_folder
+    from ..reporting.table import build_table
+    from ..reporting.render import render
+    from ..sweep.catalog import load_studies, study_folder
     from ..training.checkpoint import CHECKPOINT, FINAL_WEIGHTS
-    from .columns import add_eval_columns, run_dir_of
+    from ..reporting.eval_columns import add_eval_columns, run_dir_of
 
     studies = load_studies(output, Path(name).stem, budget, storage)
     plans = []

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import Residual, separate_rng
+from .base import Residual, separate_rng
 from .denseformer import weighted_sum
 
 
