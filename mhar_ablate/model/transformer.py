@@ -1,4 +1,4 @@
-"""A Qwen3-style decoder whose residual stream is pluggable (see ``residual/``).
+"""A Qwen3-style decoder whose residual stream is pluggable (see ``mhar_ablate/variants/``).
 
 RMSNorm, rotary embeddings, grouped-query attention with per-head QK-norm through
 ``scaled_dot_product_attention``, a SwiGLU MLP and tied input/output embeddings (or a separate output
