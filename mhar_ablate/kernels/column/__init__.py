@@ -47,9 +47,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import ptx
-from .grad_rows import ALIGN_C, GradRows, site_offsets
-from .launch import by_width, device_index, head_meta, launch, num_sms, products_fit
+from .. import ptx
+from ..grad_rows import ALIGN_C, GradRows, site_offsets
+from ..launch import by_width, device_index, head_meta, launch, num_sms, products_fit
 
 __all__ = ["column_backward", "slot_grad", "slot_passes", "pairs_slots", "group_slots", "SlotPass", "run_pass",
            "Carry", "carry_rows", "Low", "query_grads", "dzr_rows", "dzr_block", "GradRows", "grads_in_place"]
@@ -446,7 +446,7 @@ def grads_in_place(d: int) -> bool:
 def group_slots(d: int, num_heads: int, block: int = 1) -> int:
     """The most slots a group pass may take at width ``d`` with ``num_heads`` heads, when slot j is read by
     sites ``block * j`` .. (0: none)."""
-    from .column_group import MAX_GROUP, group_fits
+    from ..column_group import MAX_GROUP, group_fits
 
     if GROUP_SLOTS is not None:
         most = GROUP_SLOTS
@@ -679,7 +679,7 @@ def run_pass(p: SlotPass, sources: Tensor, rms: Tensor, grad_out: Tensor | GradR
     j, n_sites, N = p.slot, len(grads), sources.shape[1]
     rows, sites, start, low = dzr_block(dzr, j, n_sites, block, num_heads, N), p.sites, None, None
     if p.group is not None:
-        from .column_group import group_pass
+        from ..column_group import group_pass
 
         group_pass(sources, rms, grads, lse, delta, qg, num_heads, p.group, range(block * j, n_sites), n_sites,
                    block, dzr, carry.acc, carry.dr)

@@ -50,9 +50,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from . import ptx
-from .launch import by_width, head_meta, launch, persistent_programs, products_fit, tile_width
-from .products import head_columns, query_operand, split, stack_halves, sum_halves
+from .. import ptx
+from ..launch import by_width, head_meta, launch, persistent_programs, products_fit, tile_width
+from ..products import head_columns, query_operand, split, stack_halves, sum_halves
 
 __all__ = ["write_slot", "sites_forward", "sites_backward", "history_forward", "add_row_sums", "Norm", "norm_rows"]
 
