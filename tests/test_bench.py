@@ -98,13 +98,13 @@ def test_stacked_config_gives_one_fused_row_per_form_and_launches_it(tmp_path, m
         ("baseline-eager", None), ("mhar-block4-fused-eager", "off"), ("mhar-block4-fused-eager", "4,1,1,16")]
 
     launched = []
-    stacked_forward = history._history_stacked_forward
+    stacked_forward = history.shared._history_stacked_forward
 
     def spy(*a, **k):
         launched.append(history.HISTORY_STACKED_CONFIG)
         return stacked_forward(*a, **k)
 
-    monkeypatch.setattr(history, "_history_stacked_forward", spy)
+    monkeypatch.setattr(history.shared, "_history_stacked_forward", spy)  # where history_forward calls it
     monkeypatch.setattr(history, "HISTORY_STACKED_CONFIG", None)
     out = tmp_path / "rows.json"
     # two heads of 32 channels: wide enough for the products; block:4 at tiny: shared passes over 1-2 sources

@@ -126,13 +126,14 @@ def test_fused_matches_reference_with_stacked_shared_passes(grouping, monkeypatc
     from mhar_ablate.kernels import history
 
     monkeypatch.setattr(history, "HISTORY_STACKED_CONFIG", (32, 1, 3, 16))
-    calls, real_launch = [], history.launch
+    calls, real_launch = [], history.shared.launch
 
     def launch(kernel, grid, args, meta, device):
         calls.append(kernel.fn.__name__)
         real_launch(kernel, grid, args, meta, device)
 
-    monkeypatch.setattr(history, "launch", launch)
+    for form in (history.shared, history.shared_dot, history.shared_stacked):  # the shared pass's launches
+        monkeypatch.setattr(form, "launch", launch)
     ref, fused_model = _pair("mhar", grouping, 2, 96, 3, 4)
     _assert_same(ref, fused_model)
     assert "_history_fwd_stacked_kernel" in calls and "_history_fwd_kernel" not in calls

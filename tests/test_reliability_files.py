@@ -190,7 +190,7 @@ def test_a_checkpoint_replaced_while_it_is_read_is_read_again(tmp_path, monkeypa
     file that nothing replaced is refused at once, in one clear error."""
     import torch
 
-    from mhar_ablate.training import checkpoint
+    from mhar_ablate.model import weights as checkpoint
 
     path = tmp_path / "last.ckpt"
     torch.save({"state_dict": {"w": torch.zeros(3)}, "global_step": 4}, path)
