@@ -9,7 +9,6 @@ evaluation continues where it stopped.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -139,4 +138,7 @@ def eval_study_command(name: str, output: Path, opts: EvalOptions, budget: str |
 
 
 def _stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    # Above a harness progress bar, never onto it; nothing under --quiet (the tables are the result).
+    from ..console import note
+
+    note(msg)

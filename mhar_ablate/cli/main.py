@@ -3,18 +3,26 @@
 Bad input is one line on stderr and exit code 2; ``--debug`` shows tracebacks. An option that does not
 apply (``--time`` under a steps budget, ``seed=`` on a study) is one warning line, and the command goes
 on. No line shows a storage URL's password.
+
+``--version`` prints the package's version and the versions of the libraries whose behaviour results
+depend on. ``--quiet`` (before or after the command) leaves only warnings, errors and each command's
+result or table, and no progress bars (``console.py``; bars are drawn only on a terminal anyway).
+``--print-config`` (train, study, info) prints the resolved configuration as YAML that ``--config FILE``
+reads back to the same configuration, and stops.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import shlex
 import sys
 from pathlib import Path
 
 from ..config import BUDGETS
+from ..console import log_line, note, set_quiet
 from ..errors import UsageError
 from ..redaction import redact, register
 
@@ -31,6 +39,29 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", default="outputs", metavar="DIR",
                    help="folder that holds studies and runs (default: outputs/)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
+    _quiet_arg(p)
+
+
+def _quiet_arg(p: argparse.ArgumentParser) -> None:
+    # SUPPRESS: a subcommand's default must not undo a --quiet given before the command.
+    p.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS,
+                   help="print only warnings, errors and the result (no progress bars, no progress lines)")
+
+
+def _print_config_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--print-config", action="store_true",
+                   help=f"print {what} as YAML (which --config FILE reads back to the same configuration) and stop")
+
+
+EXPORT_HF_HELP = (
+    "Write a trained run as a folder another program loads. A baseline run (residual.kind=baseline) becomes a "
+    "transformers Qwen3 folder (config.json, model.safetensors, and the tokenizer as tokenizer.json where "
+    "transformers can express it: the byte tokenizer, the run's BPE or tokenizer file), which "
+    "AutoModelForCausalLM.from_pretrained(OUT) loads to the same logits as this package; a setting Qwen3 cannot "
+    "express is refused, never approximated. A routed run (mhar, attnres, delta, hc, ...) has no transformers "
+    "architecture: it is written as weights.safetensors (its metadata names the config) with its config.yaml, and "
+    "the command prints how to load it with this package. RUN is a run folder, its name under --output/runs, or a "
+    "study's run folder; OUT must be new or an empty folder (it is written beside it and renamed into place).")
 
 
 def _budget_args(p: argparse.ArgumentParser) -> None:
@@ -44,6 +75,10 @@ def _budget_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mhar-ablate", description="Ablation studies of depth-routing residuals (MHAR).")
+    parser.add_argument("--version", action="store_true",
+                        help="print the package's version and those of torch, triton, lightning and optuna")
+    parser.add_argument("--quiet", action="store_true", default=False,
+                        help="print only warnings, errors and the result (no progress bars, no progress lines)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     t = sub.add_parser("train", help="train one run into a new run folder under --output")
@@ -55,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "or CPU processes with gloo (same as train.devices=N; train.batch_size stays the global batch)")
     t.add_argument("--allow-version-change", action="store_true",
                    help="resume a checkpoint written under other torch/triton/lightning/optuna versions")
+    _print_config_arg(t, "the resolved configuration")
     _common(t)
     t.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. residual.heads=4")
 
@@ -92,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep finished trials' checkpoints (by default they are removed once the result is recorded)")
     s.add_argument("--allow-version-change", action="store_true",
                    help="continue a study under other torch/triton/lightning/optuna versions than it ran with")
+    _print_config_arg(s, "each arm's resolved configuration (seed 0; one YAML document per arm, and one for a "
+                         "source stage)")
     _common(s)
     s.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every arm")
 
@@ -123,8 +161,16 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("tensorboard", help="start TensorBoard on a study's runs (or print the command)")
     b.add_argument("name")
     b.add_argument("--port", type=int, default=6006)
+    b.add_argument("--host", metavar="HOST", help="the address TensorBoard listens on, passed through (default: "
+                   "TensorBoard's, this machine only; 0.0.0.0 serves every interface)")
     b.add_argument("--print", dest="print_only", action="store_true", help="print the command instead of running it")
     _common(b)
+
+    h = sub.add_parser("export-hf", help="write a run as a transformers Qwen3 folder (baseline) or as safetensors "
+                                          "and config (routed runs)", description=EXPORT_HF_HELP)
+    h.add_argument("run", metavar="RUN", help="a run folder, its name under --output/runs, or a study's run folder")
+    h.add_argument("out", metavar="OUT", help="the folder to write (new, or empty)")
+    _common(h)
 
     from ..bench.cli import add_bench_parser
 
@@ -134,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--config", metavar="FILE")
     i.add_argument("--preset")
     i.add_argument("--debug", action="store_true")
+    _quiet_arg(i)
+    _print_config_arg(i, "the resolved configuration (instead of the counts)")
     i.add_argument("overrides", nargs="*", metavar="key=value")
     return parser
 
@@ -162,6 +210,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     from ..model import routing_overhead
 
     cfg = build_config(args.config, _overrides(args))
+    if args.print_config:
+        return _print_config(cfg)
     vocab = cfg.model.vocab_size or (256 if cfg.data.tokenizer == "byte" else cfg.data.vocab_size)
     n, nb, pct = routing_overhead(cfg.model, cfg.residual, vocab)
     print(f"preset {cfg.model.preset}: d={cfg.model.d_model}, {cfg.model.n_layers} layers, vocab {vocab:,}")
@@ -182,6 +232,35 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def _warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _config_yaml(cfg) -> str:
+    import yaml
+
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def _print_config(cfg) -> int:
+    print(_config_yaml(cfg), end="")
+    return 0
+
+
+def versions_text() -> str:
+    """The package's version, then the versions of the libraries a result depends on (two lines), read from
+    the installed distributions (nothing is imported)."""
+    import platform
+    from importlib import metadata
+
+    from .. import __version__
+
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    libs = ", ".join(f"{n} {version(n)}" for n in ("torch", "triton", "lightning", "optuna"))
+    return f"mhar-ablate {__version__}\n{libs} (python {platform.python_version()})"
 
 
 # Which length options each budget reads: under flops, a study reads --steps when --flops is not given
@@ -220,6 +299,8 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise UsageError("--resume keeps the run's own budget")
         run_dir = find_run(output, args.resume)
         cfg = load_run_config(run_dir)
+        if args.print_config:
+            return _print_config(cfg)
         check_writable_folder(run_dir, "run folder")
     else:
         cfg = build_config(args.config, _overrides(args))
@@ -228,26 +309,32 @@ def cmd_train(args: argparse.Namespace) -> int:
         if cfg.train.budget == "flops" and cfg.train.flops is None:
             raise UsageError("--budget flops needs its length: --flops F (like 3e15 or 3P; `mhar-ablate info` "
                              "shows the FLOPs of one step)")
+        if args.print_config:
+            return _print_config(cfg)
         check_writable_folder(output)
         run_dir = new_run_dir(output, cfg)
     cache = output / "cache"
     from ..data import load_corpus
 
     corpus = load_corpus(cfg.data, cache)  # cached: train_run reuses it
-    print(f"data: {corpus.info.describe()}", flush=True)
+    log_line(f"data: {corpus.info.describe()}")
     from ..training.final_eval import shortfall
 
-    note = shortfall(cfg.data.val_fraction, len(corpus.val), len(corpus.train) + len(corpus.val), cfg.model.seq_len,
+    short = shortfall(cfg.data.val_fraction, len(corpus.val), len(corpus.train) + len(corpus.val), cfg.model.seq_len,
                      cfg.final_sequences())
-    if note:
-        print(note, flush=True)
-    print(f"run folder: {run_dir}", flush=True)
+    if short:
+        log_line(short)
+    log_line(f"run folder: {run_dir}")
     with stop_on_signals() as stop:
-        result = train_run(cfg, run_dir, cache, resume=bool(args.resume), stop=stop,
+        # Every line the run prints goes above its progress bar (console.log_line), none onto it.
+        result = train_run(cfg, run_dir, cache, resume=bool(args.resume), stop=stop, log=log_line,
                            allow_version_change=args.allow_version_change)
     print(f"{result['status']}: {result['step']} steps, {float(result['seconds']):.1f}s of training, "
           f"final val loss {float(result['final_val_loss']):.4f}, {result['tokens_per_s'] or 0:,.0f} tokens/s")
-    print(f"TensorBoard: tensorboard --logdir {run_dir / 'tb'}")
+    if args.quiet:
+        print(f"run folder: {run_dir}")
+    else:
+        print(f"TensorBoard: tensorboard --logdir {run_dir / 'tb'}")
     if result["status"] == "interrupted":
         print(f"resume with: mhar-ablate train --output {output} --resume {run_dir.name}")
         return 130
@@ -260,7 +347,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     if args.heads < 1 or args.blocks < 1:
         raise UsageError(f"--heads and --blocks must be at least 1, got {args.heads} and {args.blocks}")
     output = Path(args.output)
-    run_dir = convert(args.source, args.heads, args.blocks, output, args.config, _overrides(args))
+    run_dir = convert(args.source, args.heads, args.blocks, output, args.config, _overrides(args), log=log_line)
     print(f"run folder: {run_dir} (step 0; its weights: {run_dir / 'init.safetensors'})")
     print(f"train it with: mhar-ablate train --output {output} --resume {run_dir.name}")
     return 0
@@ -299,6 +386,8 @@ def cmd_study(args: argparse.Namespace) -> int:
                   storage=args.storage, prune=args.prune, tune=args.tune, tune_trials=args.trials or 6,
                   workers=args.workers, trials_per_gpu=args.trials_per_gpu, heartbeat=args.heartbeat,
                   keep_checkpoints=args.keep_checkpoints, allow_version_change=args.allow_version_change)
+    if args.print_config:
+        return _print_study_configs(sr)
     with stop_on_signals() as stop:
         summary = run_study(sr, stop=stop)
     if summary["interrupted"]:
@@ -313,11 +402,25 @@ def cmd_study(args: argparse.Namespace) -> int:
     from ..sweep.catalog import load_studies
 
     (study,) = load_studies(Path(args.output), definition.name, budget, args.storage)
-    print()
+    if not args.quiet:
+        print()
     print(render(build_table(study), "md"))
-    print(f"runs and TensorBoard logs: {sr.folder}")
-    print(f"next: mhar-ablate tensorboard {definition.name}{_out(args)}   |   "
-          f"mhar-ablate export {definition.name} --format md{_out(args)}")
+    if not args.quiet:
+        print(f"runs and TensorBoard logs: {sr.folder}")
+        print(f"next: mhar-ablate tensorboard {definition.name}{_out(args)}   |   "
+              f"mhar-ablate export {definition.name} --format md{_out(args)}")
+    return 0
+
+
+def _print_study_configs(sr) -> int:
+    """Each arm's configuration at seed 0 (the others differ only in ``seed``), and a source stage's, as YAML
+    documents: each, saved alone, is a ``--config`` for ``train`` that trains that grid point."""
+    configs = sr.configs()
+    docs = [(f"source stage (seed 0 of {sr.seeds})", cfg) for seed, cfg in sr.source_configs().items() if seed == 0]
+    docs += [(f"arm {arm} (seed 0 of {sr.seeds}; the other seeds differ only in seed)", configs[(arm, 0)])
+             for arm in sr.definition.arms]
+    print("\n---\n".join(f"# study {sr.definition.name}, budget {sr.budget}: {what}\n{_config_yaml(cfg)}".rstrip("\n")
+                         for what, cfg in docs))
     return 0
 
 
@@ -345,7 +448,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         text, files = export(study, args.format, study_folder(output, study, args.name), args.target_loss)
         tables.append(build_table(study, args.target_loss))
         print(text)
-        print(f"written: {', '.join(str(f) for f in files)}", file=sys.stderr)
+        note(f"written: {', '.join(str(f) for f in files)}")
     if len(tables) > 1:
         print("verdicts by measure (lowest validation loss first):", file=sys.stderr)
         print(verdicts(tables), file=sys.stderr)
@@ -356,11 +459,12 @@ def cmd_export(args: argparse.Namespace) -> int:
             path = study_folder(output, studies[0], args.name).parent / "rankings.md"
             write_text(path, f"### {tables[0].name}: the ranking under each budget\n\n{side}")
             print(f"\nthe ranking under each budget (best first):\n{side}", file=sys.stderr)
-            print(f"written: {path}", file=sys.stderr)
+            note(f"written: {path}")
     return 0
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from ..console import bars_enabled
     from .eval import EvalOptions, eval_run_command, eval_study_command, parse_tasks
 
     if (args.run is None) == (args.study is None):
@@ -368,7 +472,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.run is not None and (args.budget or args.storage):
         raise UsageError("--budget and --storage apply to --study only")
     opts = EvalOptions(parse_tasks(args.tasks), [Path(p) for p in args.include], args.limit, args.num_fewshot,
-                       args.batch_size, device=args.device, force=args.force, progress=sys.stderr.isatty())
+                       args.batch_size, device=args.device, force=args.force, progress=bars_enabled())
     output = Path(args.output)
     if args.study is not None:
         return eval_study_command(args.study, output, opts, args.budget, args.storage)
@@ -382,16 +486,26 @@ def cmd_tensorboard(args: argparse.Namespace) -> int:
     logdir = Path(args.output) / "studies" / Path(args.name).stem
     if not logdir.is_dir():
         raise UsageError(f"no runs for study {args.name!r} under {logdir.parent}")
-    cmd = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--port", str(args.port)]
-    shown = f"tensorboard --logdir {logdir} --port {args.port}"
+    host = ["--host", args.host] if args.host else []
+    if args.host is not None and not args.host.strip():
+        raise UsageError("--host needs an address (a name or IP such as 0.0.0.0)")
+    cmd = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--port", str(args.port), *host]
+    shown = shlex.join(["tensorboard", "--logdir", str(logdir), "--port", str(args.port), *host])
     if args.print_only or not shutil.which(sys.executable):
         print(shown)
         return 0
-    print(f"starting: {shown}   (Ctrl-C stops it)", file=sys.stderr)
+    note(f"starting: {shown}   (Ctrl-C stops it)")
     try:
         return subprocess.call(cmd)
     except KeyboardInterrupt:
         return 0
+
+
+def cmd_export_hf(args: argparse.Namespace) -> int:
+    from ..interop.export_hf import export_hf
+
+    export_hf(args.run, args.out, Path(args.output))
+    return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -401,7 +515,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"bench": cmd_bench, "convert": cmd_convert, "train": cmd_train, "study": cmd_study, "export": cmd_export, "tensorboard": cmd_tensorboard,
-            "info": cmd_info, "eval": cmd_eval}
+            "info": cmd_info, "eval": cmd_eval, "export-hf": cmd_export_hf}
 
 
 def _attach_negative_values(argv: list[str]) -> list[str]:
@@ -434,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     _register_storage(argv)
     given = list(argv)
+    was_quiet = os.environ.get("MHAR_ABLATE_QUIET")
     try:
         # key=value overrides may stand anywhere after the command; argparse cannot take a variable-length
         # positional after options, so they are split off first.
@@ -441,6 +556,11 @@ def main(argv: list[str] | None = None) -> int:
         argv = _attach_negative_values(argv)
         args = build_parser().parse_args([a for a in argv if not OVERRIDE.match(a)])
         args.argv = given
+        args.quiet = bool(getattr(args, "quiet", False))
+        set_quiet(args.quiet)
+        if args.version:
+            print(versions_text())
+            return 0
         if hasattr(args, "overrides"):
             args.overrides = overrides + list(args.overrides)
         elif overrides:
@@ -463,6 +583,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: internal error: {type(e).__name__}: {redact(str(e))} (run again with --debug for the traceback)",
               file=sys.stderr)
         return 1
+    finally:
+        if was_quiet is None:  # this command's --quiet does not outlive it (tests run many in one process)
+            os.environ.pop("MHAR_ABLATE_QUIET", None)
+        else:
+            os.environ["MHAR_ABLATE_QUIET"] = was_quiet
 
 
 if __name__ == "__main__":

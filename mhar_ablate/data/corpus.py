@@ -19,6 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ..config import DataConfig
+from ..console import bars_enabled
 from ..errors import UsageError
 from .cache import CACHE_FORMAT, HashingWriter, cache_root, digest, ensure_dir, exclusive, manifest_path, read_artifact, write_artifact
 from .sources import Source, resolve_source
@@ -104,7 +105,7 @@ def _write_tokens(out: HashingWriter, source: Source, tokenizer: Tokenizer, max_
     limit = max_tokens or sys.maxsize
     tokens = documents = text_bytes = 0
     with tqdm(total=source.count_hint, desc=f"tokenising {source.name}", unit=" docs", delay=1.0,
-              file=sys.stderr, dynamic_ncols=True) as bar:
+              file=sys.stderr, dynamic_ncols=True, disable=not bars_enabled()) as bar:
         for batch in _batches(source.documents()):
             pieces = []
             for text, ids in zip(batch, tokenizer.encode_batch(batch), strict=True):

@@ -9,7 +9,6 @@ cached as its JSON file, verified like every other cache file.
 from __future__ import annotations
 
 import itertools
-import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -107,12 +106,14 @@ def _train_bpe(out: HashingWriter, source: Source, vocab_size: int) -> dict[str,
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
+    from ..console import bars_enabled
+
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=sys.stderr.isatty())
+                                  show_progress=bars_enabled())
     tok.train_from_iterator(training_sample(source.documents(), source.size_hint), trainer)
     out.write(tok.to_str().encode("utf-8"))
     return {}

@@ -1,6 +1,12 @@
 """Weights in and out of the decoder without unpickling: safetensors files and this package's
 checkpoints (read with ``weights_only``), and the rule by which a run starts from weights it did not
 train (``train.init``, ``mhar-ablate convert``).
+
+A safetensors file this package writes (a run's ``weights.safetensors``, an ``export-hf`` folder's) names
+what it holds in its metadata (``weights_metadata``): the run's resolved config (config.yaml's text),
+the vocabulary size, the tokenizer, the package version and the step, so the file alone can be loaded
+(``load_decoder``). A file without that metadata (written before it existed, or by another tool) reads as
+before: ``read_state_dict`` never needs it, and ``load_decoder`` then takes the config.yaml beside it.
 """
 
 from __future__ import annotations
@@ -16,6 +22,104 @@ from torch import Tensor, nn
 from ..errors import UsageError
 
 RESIDUAL_PREFIX = "residual."
+# Metadata keys of the safetensors files this package writes (safetensors metadata is str -> str).
+META = "mhar_ablate."
+META_CONFIG, META_VOCAB, META_TOKENIZER, META_VERSION, META_STEP = (
+    f"{META}{k}" for k in ("config", "vocab_size", "tokenizer", "version", "step"))
+
+
+def weights_metadata(config_yaml: str, vocab_size: int, tokenizer: dict[str, Any], step: int | None) -> dict[str, str]:
+    """The metadata of a weights file: ``format: pt`` (what transformers expects of a PyTorch file), the
+    run's config as the YAML of its config.yaml, the vocabulary size, the tokenizer as JSON, this package's
+    version and the optimiser step of the weights (where known)."""
+    import json
+
+    from .. import __version__
+
+    meta = {"format": "pt", META_CONFIG: config_yaml, META_VOCAB: str(int(vocab_size)),
+            META_TOKENIZER: json.dumps(tokenizer, sort_keys=True), META_VERSION: __version__}
+    if step is not None:
+        meta[META_STEP] = str(int(step))
+    return meta
+
+
+def read_weights_metadata(path: str | Path) -> dict[str, Any]:
+    """What ``weights_metadata`` wrote, decoded: ``config`` (a mapping), ``vocab_size``, ``tokenizer``,
+    ``version``, ``step``; ``{}`` for a file without it (an older file, or another tool's)."""
+    import json
+
+    import yaml
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            raw = f.metadata() or {}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UsageError(f"{path}: not a readable safetensors file ({str(e).splitlines()[0][:160]})") from None
+    if META_CONFIG not in raw:
+        return {}
+    try:
+        out: dict[str, Any] = {"config": yaml.safe_load(raw[META_CONFIG]), "version": raw.get(META_VERSION),
+                               "tokenizer": json.loads(raw.get(META_TOKENIZER) or "null"),
+                               "vocab_size": int(raw[META_VOCAB]) if META_VOCAB in raw else None,
+                               "step": int(raw[META_STEP]) if META_STEP in raw else None}
+    except (yaml.YAMLError, ValueError) as e:
+        raise UsageError(f"{path}: its mhar_ablate metadata is not readable ({str(e).splitlines()[0][:160]})") from None
+    if not isinstance(out["config"], dict):
+        raise UsageError(f"{path}: its mhar_ablate.config metadata is not a run configuration")
+    return out
+
+
+def model_config_of(data: dict[str, Any], where: str):
+    """The model and residual sections of a saved run config (config.yaml's mapping), checked; the data
+    and training sections are not read, so a model whose corpus or tokenizer file is elsewhere still loads."""
+    from ..config import RunConfig, apply
+
+    if not isinstance(data.get("model"), dict) or not isinstance(data.get("residual", {}), dict):
+        raise UsageError(f"{where}: not a run configuration (no model section)")
+    cfg = RunConfig()
+    model = dict(data["model"])
+    preset = model.pop("preset", cfg.model.preset)  # a label: the shape is the keys themselves
+    apply(cfg, {"model": model, "residual": data.get("residual", {})}, where)
+    cfg.model.preset = str(preset)
+    cfg.model.validate()
+    cfg.residual.validate(cfg.model)
+    return cfg.model, cfg.residual
+
+
+def load_decoder(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
+    """A ``Decoder`` in evaluation mode with the weights of ``path``: a safetensors file this package wrote
+    (its metadata names the config), or a folder holding ``config.yaml`` and ``weights.safetensors`` (a run's
+    kept weights, an ``export-hf`` folder of a routed run). A file without metadata takes the config.yaml
+    beside it (or that of the run folder it sits in)."""
+    import yaml
+
+    from .transformer import Decoder
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / "weights.safetensors"
+    if not p.is_file():
+        raise UsageError(f"{path}: no weights.safetensors there")
+    meta = read_weights_metadata(p) if p.suffix == ".safetensors" else {}
+    data = meta.get("config")
+    if data is None:
+        for folder in (p.parent, p.parent.parent):  # beside it, or a checkpoint's run folder
+            if (folder / "config.yaml").is_file():
+                data = yaml.safe_load((folder / "config.yaml").read_text())
+                break
+        else:
+            raise UsageError(f"{p}: no config in its metadata and no config.yaml beside it")
+    model_cfg, residual = model_config_of(data if isinstance(data, dict) else {}, str(p))
+    state = read_state_dict(p)
+    if "embed.weight" not in state:
+        raise UsageError(f"{p}: holds no decoder weights (no embed.weight)")
+    model = Decoder(model_cfg, residual, int(state["embed.weight"].shape[0]))
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise UsageError(f"{p}: does not fit its configuration ({str(e).splitlines()[0][:160]})") from None
+    return model.to(device).eval()
 
 
 def read_state_dict(path: str | Path) -> dict[str, Tensor]:

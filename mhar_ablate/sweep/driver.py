@@ -25,7 +25,7 @@ from typing import Any, Callable
 from .. import __version__
 from . import storage as st
 from ..config import RunConfig
-from ..console import log_line
+from ..console import bars_enabled, log_line
 from ..errors import UsageError
 from ..io import check_writable_folder
 from ..provenance import environment
@@ -144,7 +144,7 @@ def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = log_line) ->
         for text in final_notes:
             log(text)
         bar = tqdm(total=len(grid), initial=len(done), desc=sr.key, unit="trial", position=0, dynamic_ncols=True,
-                   file=sys.stderr, disable=len(slots) > 1 or not sys.stderr.isatty())
+                   file=sys.stderr, disable=len(slots) > 1 or not bars_enabled())
 
         def log_and_count(msg: str) -> None:
             log(msg)

@@ -21,6 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import format_flops
+from ..console import bars_enabled, log_line
 from ..io import commit, raise_if_no_space
 from . import distributed
 from .budget import Budget, format_seconds
@@ -47,7 +48,7 @@ class BudgetCallback(L.Callback):
     def __init__(self, budget: Budget, eval_every: int, heatmap_every: int, val_batches: Callable[[], Iterable],
                  checkpoint: Path, tokens_per_step: int, flops_per_token: float,
                  on_eval: Callable[[int, float, float], bool] | None = None, stop: StopRequest | None = None,
-                 log: Callable[[str], None] | None = print, title: str = "", checkpoint_every: float = 0.0,
+                 log: Callable[[str], None] | None = log_line, title: str = "", checkpoint_every: float = 0.0,
                  log_every: int = 20, final_batches: Callable[[], Iterable] | None = None, seq_len: int = 0):
         self.budget, self.eval_every, self.heatmap_every = budget, eval_every, heatmap_every
         self.val_batches, self.checkpoint = val_batches, checkpoint
@@ -299,7 +300,7 @@ class ProgressBar(L.Callback):
         total = self.budget.steps if self.budget.counts_steps else round(self.budget.seconds)
         unit = "step" if self.budget.counts_steps else "s"
         self.bar = tqdm(total=total, desc=self.desc, unit=unit, leave=False, position=self.position,
-                        dynamic_ncols=True, file=sys.stderr, mininterval=0.5, disable=not sys.stderr.isatty())
+                        dynamic_ncols=True, file=sys.stderr, mininterval=0.5, disable=not bars_enabled())
         self._update(trainer, module)
 
     def on_train_batch_end(self, trainer, module: LMModule, outputs, batch, batch_idx) -> None:

@@ -89,8 +89,48 @@ def checkpoint_bytes(params: int) -> int:
     return 12 * params + (1 << 20)
 
 
+def tokenizer_description(data: dict[str, Any]) -> dict[str, Any]:
+    """The tokenizer of a run's data section (config.yaml's ``data`` mapping), as a weights file's
+    metadata names it: bytes, the BPE trained on the run's corpus, or a tokenizer file (with its SHA-256)."""
+    kind = str(data.get("tokenizer", "byte"))
+    if kind == "byte":
+        return {"kind": "byte", "vocab_size": 256, "eos_id": 0}
+    if kind == "bpe":
+        return {"kind": "bpe", "vocab_size": data.get("vocab_size"), "trained_on": data.get("source")}
+    from ..data.cache import file_sha256
+
+    path = Path(kind)
+    return {"kind": "file", "path": kind, "sha256": file_sha256(path) if path.is_file() else None}
+
+
+def final_weights_metadata(run_dir: Path, vocab: int) -> dict[str, str] | None:
+    """``weights_metadata`` for ``run_dir``: its config.yaml as written, its tokenizer, its result's step
+    (None where the folder has no readable config.yaml: the weights are still kept)."""
+    import json
+
+    import yaml
+
+    from ..model.weights import weights_metadata
+
+    try:
+        text = (run_dir / "config.yaml").read_text()
+        data = yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    try:
+        step = json.loads((run_dir / "result.json").read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        step = None
+    section = data.get("data") if isinstance(data.get("data"), dict) else {}
+    return weights_metadata(text, vocab, tokenizer_description(section),
+                            step if isinstance(step, int) else None)
+
+
 def save_final_weights(run_dir: Path) -> Path | None:
-    """Write the decoder weights of ``run_dir``'s checkpoint to ``FINAL_WEIGHTS`` (atomically); None where
+    """Write the decoder weights of ``run_dir``'s checkpoint to ``FINAL_WEIGHTS`` (atomically), with the
+    run's config, vocabulary, tokenizer and step in its metadata (``final_weights_metadata``); None where
     the run has no checkpoint. The run's step is its ``result.json``'s, which is written before this."""
     from safetensors.torch import save_file
 
@@ -101,6 +141,8 @@ def save_final_weights(run_dir: Path) -> Path | None:
     if not ckpt.is_file():
         return None
     tmp = dest.with_name(f".{dest.name}.tmp")
-    save_file({k: v.contiguous() for k, v in read_state_dict(ckpt).items()}, str(tmp))
+    state = read_state_dict(ckpt)
+    meta = final_weights_metadata(run_dir, int(state["embed.weight"].shape[0])) if "embed.weight" in state else None
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata=meta)
     commit(tmp, dest)
     return dest

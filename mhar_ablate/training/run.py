@@ -34,6 +34,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ..config import RunConfig, from_dict
+from ..console import log_line
 from ..errors import UsageError
 from ..io import human_bytes, require_free_space, write_json, write_text
 from ..model import routing_overhead
@@ -228,7 +229,7 @@ def _quiet_writer_threads(run_dir: Path):
 
 
 def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = False,
-              on_eval: Callable[[int, float, float], bool] | None = None, log: Callable[[str], None] = print,
+              on_eval: Callable[[int, float, float], bool] | None = None, log: Callable[[str], None] = log_line,
               title: str = "", stop: StopRequest | None = None, position: int = 0,
               log_evals: bool = True, allow_version_change: bool = False) -> dict[str, Any]:
     """Train ``cfg`` into ``run_dir`` (continuing what the folder holds if ``resume``); return the result dict.
