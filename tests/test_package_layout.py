@@ -18,7 +18,7 @@ PACKAGE = ROOT / "mhar_ablate"
 
 # Lowest first. A module may import from its own layer and those below it, never from above.
 LAYERS = [
-    {"", "errors", "io", "redaction", "console", "processes", "provenance"},
+    {"", "errors", "ranges", "io", "redaction", "console", "processes", "provenance"},
     {"kernels"},
     {"ops", "norm"},
     {"variants"},

@@ -27,15 +27,30 @@ from . import storage as st
 from ..config import RunConfig
 from ..console import bars_enabled, log_line
 from ..errors import UsageError
-from ..io import check_writable_folder
+from ..io import check_writable_folder, remove_stale_temporaries
 from ..provenance import environment
 from ..redaction import redact
 from .catalog import check_compatible, check_environment, check_readable, choose_storage, corrupt, find_storage, open_storage, under_output
 from .definition import STUDY_FORMAT, StudyDefinition, StudyRun
-from .trials import DONE_STATES, drop_finished_checkpoints, drop_checkpoints
+from .trials import DONE_STATES, TRAINED_FILES, drop_finished_checkpoints, drop_checkpoints
 
 
 # --------------------------------------------------------------------------- the driver
+
+
+def remove_killed_writes(sr: StudyRun, sole_writer: bool) -> None:
+    """Temporaries that writes killed before their rename left in the study's folders (the rule is
+    ``io.remove_stale_temporaries``'s; the caller holds ``output_lock``). ``storages.json`` is written only
+    under that lock: its temporaries go at once. In the run folders (the grid's and the source stage's),
+    the files training writes go at once where this process is the study's only writer (``sole_writer``:
+    SQLite, held exclusively); any other temporary, or with workers of other commands about, once stale."""
+    remove_stale_temporaries(sr.output, names=(st.REGISTRY_FILE,), owned=(st.REGISTRY_FILE,))
+    remove_stale_temporaries(sr.folder)
+    runs = [sr.run_dir(arm, seed) for arm, seed in sr.grid()]
+    if sr.definition.source:
+        runs += [sr.source_dir(seed) for seed in range(sr.seeds)]
+    for run_dir in runs:
+        remove_stale_temporaries(run_dir, owned=TRAINED_FILES if sole_writer else ())
 
 
 def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = log_line) -> dict[str, Any]:
@@ -100,6 +115,7 @@ def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = log_line) ->
         if any(s.shared for s in slots) and not study.user_attrs.get("shared_device"):
             study.set_user_attr("shared_device", True)
         st.record(sr.output, sr.key, url)
+        remove_killed_writes(sr, sole_writer=held is not None)
         if st.is_local(url):
             reaped = st.reap_dead(study)
             if reaped:

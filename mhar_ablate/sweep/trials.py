@@ -15,6 +15,11 @@ from .definition import StudyRun
 
 DONE_STATES = ("COMPLETE", "PRUNED")
 
+# What training writes into a run folder through io's atomic writes (training/run.py): only the process
+# training the run writes them.
+TRAINED_FILES = ("result.json", "config.yaml", "routing.png")
+
+
 def drop_checkpoints(run_dir: Path) -> None:
     """A finished run's checkpoints: its result is recorded, and only resuming needs them. Its trained
     weights stay, as ``weights.safetensors`` (``training/checkpoint.py``), for `eval` and later analyses."""

@@ -36,7 +36,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from ..config import RunConfig, from_dict
 from ..console import log_line
 from ..errors import UsageError
-from ..io import human_bytes, require_free_space, write_json, write_text
+from ..io import human_bytes, remove_stale_temporaries, require_free_space, write_json, write_text
 from ..model import routing_overhead
 from ..provenance import describe_differences, differences, environment
 from . import distributed
@@ -359,6 +359,10 @@ def _prepare(cfg: RunConfig, run_dir: Path, cache_dir: Path, resume: bool, log, 
     if cfg.train.init and not (resume and ckpt.is_file()) and not Path(cfg.train.init).is_file():
         raise UsageError(f"train.init: no such file: {cfg.train.init}")
     state: dict[str, Any] | None = None
+    if lead:
+        # What writes killed before their rename left here, once no live process can be writing it (the
+        # rule: io.remove_stale_temporaries; a study's driver removes its runs' own at once, under its lock).
+        remove_stale_temporaries(run_dir)
     if resume:
         if lead:
             check_run_folder(run_dir, cfg)

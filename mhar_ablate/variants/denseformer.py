@@ -33,13 +33,14 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import UsageError
+from ..ranges import ranged
 from .base import Residual
 
 
 @dataclass
 class DenseFormerSettings:
-    dilation: int = 1  # k: block i's average keeps X_j for j ≡ i (mod k) only
-    period: int = 1  # p: a DWA after every p-th block only
+    dilation: int = ranged(1, 1, 1024)  # k: block i's average keeps X_j for j ≡ i (mod k) only
+    period: int = ranged(1, 1, 1024)  # p: a DWA after every p-th block only
 
 
 def weighted_sum(weights: Tensor, xs: list[Tensor]) -> Tensor:
@@ -62,8 +63,6 @@ class DenseFormerResidual(Residual):
     @classmethod
     def check(cls, cfg: Any, model: Any) -> None:
         s = cfg.settings("denseformer")
-        if s.dilation < 1 or s.period < 1:
-            raise UsageError(f"residual.denseformer.dilation and period must be at least 1, got {s.dilation} and {s.period}")
         if s.period > model.n_layers:
             raise UsageError(f"residual.denseformer.period={s.period} is larger than model.n_layers={model.n_layers}: "
                              "no block would get a DWA")

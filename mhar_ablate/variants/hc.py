@@ -53,19 +53,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import UsageError
+from ..ranges import ranged
 from .base import Residual
 
 
 @dataclass
 class HCSettings:
-    rate: int = 4  # n: the expansion rate, copies of the residual stream
+    rate: int = ranged(4, 1)  # n: the expansion rate, copies of the residual stream
     dynamic: bool = True  # per-token terms on top of the static matrices (DHC; false: SHC)
-
-
-def check_rate(kind: str, rate: int) -> None:
-    if rate < 1:
-        raise UsageError(f"residual.{kind}.rate is the number of residual streams: at least 1, got {rate}")
 
 
 def mix_streams(weights: Tensor, H: Tensor) -> Tensor:
@@ -97,10 +92,6 @@ class HCState:
 
 class HyperConnections(Residual):
     Settings = HCSettings
-
-    @classmethod
-    def check(cls, cfg: Any, model: Any) -> None:
-        check_rate("hc", cfg.settings("hc").rate)
 
     @classmethod
     def label(cls, cfg: Any) -> str:

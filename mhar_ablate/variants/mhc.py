@@ -40,17 +40,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import UsageError
+from ..ranges import ranged
 from .base import Residual, separate_rng
-from .hc import check_rate, expand_streams, mix_streams
+from .hc import expand_streams, mix_streams
 from ..kernels.reference import COLUMN_FLOOR
 
 
 @dataclass
 class MHCSettings:
-    rate: int = 4  # n: residual streams
-    sinkhorn_iters: int = 20  # t_max: row and column normalisations of H_res
-    gate_init: float = 0.01  # α_pre, α_post, α_res at initialisation
+    rate: int = ranged(4, 1)  # n: residual streams
+    sinkhorn_iters: int = ranged(20, 1, 10_000)  # t_max: row and column normalisations of H_res
+    gate_init: float = ranged(0.01, 0, lo_open=True)  # α_pre, α_post, α_res at initialisation
 
 
 def sinkhorn(logits: Tensor, iters: int) -> Tensor:
@@ -113,15 +113,6 @@ class MHCState:
 
 class ManifoldHyperConnections(Residual):
     Settings = MHCSettings
-
-    @classmethod
-    def check(cls, cfg: Any, model: Any) -> None:
-        s = cfg.settings("mhc")
-        check_rate("mhc", s.rate)
-        if s.sinkhorn_iters < 1:
-            raise UsageError(f"residual.mhc.sinkhorn_iters must be at least 1, got {s.sinkhorn_iters}")
-        if not s.gate_init > 0 or not math.isfinite(s.gate_init):
-            raise UsageError(f"residual.mhc.gate_init must be a positive number, got {s.gate_init}")
 
     @classmethod
     def label(cls, cfg: Any) -> str:
