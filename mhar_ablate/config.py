@@ -283,6 +283,9 @@ class TrainConfig:
     # The training stream's first batch number: a continued run reads on from where its source stopped
     # (batch i depends on (seed, i) only) instead of replaying the batches the source trained on.
     first_batch: int = ranged(0, 0)
+    # Where the run's scalars go, through Lightning's logger API (training/loggers.py): tensorboard | csv |
+    # wandb (the wandb extra; WANDB_MODE=offline logs without an account).
+    logger: str = "tensorboard"
 
     def validate(self) -> None:
         if self.budget not in BUDGETS:
@@ -292,6 +295,8 @@ class TrainConfig:
                              "(it is the global batch, split evenly between the processes)")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise UsageError(f"train.precision must be auto, fp32 or bf16, got {self.precision!r}")
+        if self.logger not in ("tensorboard", "csv", "wandb"):
+            raise UsageError(f"train.logger must be tensorboard, csv or wandb, got {self.logger!r}")
 
 
 @dataclass

@@ -102,10 +102,10 @@ def test_flops_budget_trains_the_steps_its_flops_buy_each_arm(tmp_path):
         assert budget - _per_step(cfg, BYTE_VOCAB) < r["flops"] <= budget  # the most whole steps that fit
         saved = yaml.safe_load((tmp_path / kind / "config.yaml").read_text())
         assert saved["train"]["steps"] == r["step"] and saved["train"]["flops"] == budget
-        s = _scalars(tmp_path / kind / "tb")
-        assert len(s["val/loss_per_gflop"]) == len(r["curve"])
+        s = _scalars(tmp_path / kind)
+        assert len(s["loss/val_vs_gflops"]) == len(r["curve"])
         # the schedule's progress is FLOPs done / the FLOPs of the steps bought: step / steps
-        assert s["train/lr"] == pytest.approx([cfg.optim.lr * lr_factor(i / r["step"], cfg.optim) for i in range(r["step"])])
+        assert s["optim/lr"] == pytest.approx([cfg.optim.lr * lr_factor(i / r["step"], cfg.optim) for i in range(r["step"])])
         steps[kind] = r["step"]
     assert steps == {"baseline": 6, "mhar": 5}
     # A finished folder is the same run when continued: the resolved steps do not make it another.

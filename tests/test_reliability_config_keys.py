@@ -95,6 +95,7 @@ TABLE: dict[str, tuple[str, list[str], list[str]]] = {
     "train.heatmap_every": ("2", [], []),
     "train.checkpoint_every": ("0", [], []),
     "train.precision": ("fp32", ["fp8"], []),
+    "train.logger": ("csv", ["neptune"], []),
     "train.compile": ("true", [], []),
     "train.cuda_graph": ("false", [], []),
     "train.log_every": ("5", [], []),

@@ -62,8 +62,8 @@ def check_grid_once(study, points: int = 4) -> dict[str, list]:
 def tb_writers(folder: Path) -> dict[str, int]:
     """Per run folder, how many processes wrote TensorBoard events into it (the file names end in
     HOST.PID.N): a grid point trained twice at once shows two."""
-    return {p.name: len({f.name.split(".")[-2] for f in (p / "tb").glob("events.out.tfevents.*")})
-            for p in folder.iterdir() if (p / "tb").is_dir()}
+    return {p.name: len({f.name.split(".")[-2] for f in p.glob("events.out.tfevents.*")})
+            for p in folder.iterdir() if any(p.glob("events.out.tfevents.*"))}
 
 
 def wait_for_trial_mid_way(folder: Path, procs: list[subprocess.Popen], timeout: float = 120) -> Path:

@@ -71,6 +71,8 @@ def _budget_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time", metavar="DURATION", help="training time for --budget wallclock: 90s, 10m, 1.5h or seconds")
     p.add_argument("--flops", metavar="F", help="training FLOPs for --budget flops: 3e15, 3P, 300T or a number "
                    "(each arm trains the steps they buy it; `mhar-ablate info` shows the FLOPs per step)")
+    p.add_argument("--logger", choices=("tensorboard", "csv", "wandb"), help="where the series go (same as "
+                   "train.logger=...; default tensorboard; wandb needs the wandb extra, WANDB_MODE=offline works)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--port", type=int, default=6006)
     b.add_argument("--host", metavar="HOST", help="the address TensorBoard listens on, passed through (default: "
                    "TensorBoard's, this machine only; 0.0.0.0 serves every interface)")
+    b.add_argument("--budget", choices=BUDGETS, help="one budget's runs only (default: every budget, run names "
+                   "starting with it)")
     b.add_argument("--print", dest="print_only", action="store_true", help="print the command instead of running it")
     _common(b)
 
@@ -202,6 +206,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, str]:
         o["train.flops"] = repr(parse_flops(args.flops))
     if getattr(args, "devices", None) is not None:
         o["train.devices"] = str(args.devices)
+    if getattr(args, "logger", None):
+        o["train.logger"] = args.logger
     return o
 
 
@@ -334,7 +340,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.quiet:
         print(f"run folder: {run_dir}")
     else:
-        print(f"TensorBoard: tensorboard --logdir {run_dir / 'tb'}")
+        print(f"TensorBoard: tensorboard --logdir {run_dir / 'tb' if (run_dir / 'tb').is_dir() else run_dir}")
     if result["status"] == "interrupted":
         print(f"resume with: mhar-ablate train --output {output} --resume {run_dir.name}")
         return 130
@@ -484,6 +490,8 @@ def cmd_tensorboard(args: argparse.Namespace) -> int:
     import subprocess
 
     logdir = Path(args.output) / "studies" / Path(args.name).stem
+    if args.budget:
+        logdir = logdir / args.budget
     if not logdir.is_dir():
         raise UsageError(f"no runs for study {args.name!r} under {logdir.parent}")
     host = ["--host", args.host] if args.host else []

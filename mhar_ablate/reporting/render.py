@@ -212,6 +212,7 @@ def render(table: StudyTable, fmt: str) -> str:
         lines += ["| " + " | ".join(md(c) for c in _final_cells(table, r, _Bold)) + " |" for r in table.rows
                   if not r.get("start")]
         lines += ["", _final_note(table)]
+        lines += _warning_lines(table)
         return "\n".join(lines) + "\n"
     if fmt == "latex":
         esc = latex_escape
@@ -233,6 +234,9 @@ def render(table: StudyTable, fmt: str) -> str:
         lines += [r"\bottomrule", r"\end{tabular}",
                   r"\caption{" + esc(f"{table.name}, {table.budget} budget: final evaluation and time to target. "
                                      f"{target_text(table)} {_final_note(table)}") + "}", r"\end{table}"]
+        if table.warnings:  # visible under the tables, not a comment
+            lines += ["", r"\noindent\textbf{Timing warning} (the time and throughput columns may not measure the "
+                      "arms): " + "; ".join(latex_escape(w) for w in table.warnings) + "."]
         return "\n".join(lines) + "\n"
     if fmt == "csv":
         buf = io.StringIO()
@@ -242,7 +246,7 @@ def render(table: StudyTable, fmt: str) -> str:
                     "tokens_per_s", "peak_mem_gb", "param_overhead_pct", "best_at_steps", "best_at_time", "at_step", "at_seconds",
                     "shared_device", "loss_at_flops_mean", "loss_at_flops_std", "delta_at_flops", "delta_at_flops_ci95",
                     "best_at_flops", "at_flops", *(f"{c.key}_{part}" for c in table.extra for part in ("mean", "std", "n")),
-                    *FINAL_CSV])
+                    *FINAL_CSV, "timing_warning"])
         for r in table.rows:
             ls, lt = r.get("loss_at_steps", (None, None)), r.get("loss_at_time", (None, None))
             ds, dt = r.get("delta_at_steps") or (None, None, 0), r.get("delta_at_time") or (None, None, 0)
@@ -251,7 +255,8 @@ def render(table: StudyTable, fmt: str) -> str:
                         r.get("tokens_per_s"), r.get("peak_mem_gb"), r.get("param_overhead_pct"),
                         r.get("best_loss_at_steps", False), r.get("best_loss_at_time", False), table.at_step, table.at_seconds,
                         table.shared_device, *lf, df[0], df[1], r.get("best_loss_at_flops", False), table.at_flops,
-                        *(x for c in table.extra for x in c.values.get(r["arm"], (None, None, 0))), *_final_csv(table, r)])
+                        *(x for c in table.extra for x in c.values.get(r["arm"], (None, None, 0))), *_final_csv(table, r),
+                        r.get("timing_warning", "")])
         return buf.getvalue()
     if fmt == "json":
         def clean(v):
@@ -264,6 +269,7 @@ def render(table: StudyTable, fmt: str) -> str:
                            "baseline": table.baseline, "at_step": table.at_step, "at_seconds": table.at_seconds,
                            "at_flops": table.at_flops,
                            "missing": table.missing, "note": table.backend_note, "shared_device": table.shared_device,
+                           "timing_warnings": table.warnings,
                            "extra_columns": [{"header": c.header, "key": c.key, "higher_is_better": c.higher_is_better}
                                              for c in table.extra],
                            "target": {k: clean(v) if not isinstance(v, dict) else {str(s): x for s, x in v.items()}
@@ -272,6 +278,14 @@ def render(table: StudyTable, fmt: str) -> str:
                                      **{c.key: clean(c.values.get(r["arm"])) for c in table.extra}}
                                     for r in table.rows]}, indent=2) + "\n"
     raise UsageError(f"unknown format {fmt!r}: choose one of {', '.join(FORMATS)}")
+
+
+def _warning_lines(table: StudyTable) -> list[str]:
+    """The timing warnings under a table (table.timing_warnings), after a blank line; none: nothing."""
+    if not table.warnings:
+        return []
+    return ["", "**Timing warning** (the time and throughput columns may not measure the arms):",
+            *(f"- {w}." for w in table.warnings)]
 
 
 FINAL_CSV = ["final_n", "final_loss_mean", "final_loss_std", "final_se", "final_sequences", "delta_final",

@@ -46,6 +46,8 @@ class TrialData:
     final_se: float | None = None
     final_sequences: int | None = None
     final_losses: list[float] | None = field(default=None, repr=False)
+    # The run's first timed steps' mean length over its median step's (training/budget.py); None: not recorded.
+    early_ratio: float | None = None
 
     @property
     def usable(self) -> bool:
@@ -84,6 +86,8 @@ class StudyTable:
     # What the time-to-target columns aim at (reporting/to_target.py): kind ("baseline": each seed's baseline
     # final loss; "loss": one named loss), loss (the mean target), per_seed.
     target: dict[str, Any] = field(default_factory=dict)
+    # Timing a reader should not trust (``timing_warnings``): one sentence each, printed under the table.
+    warnings: list[str] = field(default_factory=list)
 
 
 def _num(v: Any) -> float | None:
@@ -126,7 +130,7 @@ def collect(study) -> tuple[dict[str, list[TrialData]], list[str]]:
             by_arm[arm].append(TrialData(arm, seed, u.get("status", "pruned" if t.state.name == "PRUNED" else "completed"),
                                          curve, _num(u.get("tokens_per_s")), _num(u.get("peak_mem_gb")), u.get("params"),
                                          _num(u.get("param_overhead_pct")), u.get("device", ""), u.get("routing_backend", ""),
-                                         per_token, **_final_fields(u)))
+                                         per_token, **_final_fields(u), early_ratio=_num(u.get("timing_early_ratio"))))
     return by_arm, missing
 
 
@@ -229,7 +233,58 @@ def build_table(study, target_loss: float | None = None) -> StudyTable:
         note = (note + " " if note else "") + SHARED_NOTE
     return StudyTable(attrs.get("study", study.study_name), attrs.get("budget", ""), attrs.get("description", ""),
                       base_name, at_step, at_seconds, rows, missing, trials, attrs.get("curve_values", {}),
-                      attrs.get("curve"), ", ".join(devices), note, shared, at_flops, target=target)
+                      attrs.get("curve"), ", ".join(devices), note, shared, at_flops, target=target,
+                      warnings=timing_warnings(rows, trials, base_name))
+
+
+# An arm's speed relative to the baseline this many times away from the other arms' (or, alone, from the
+# baseline's own 1.0) is more likely a measurement fault (a loaded machine, a one-time cost) than the arm.
+RATIO_APART = 3.0
+# A run whose first timed steps averaged this many median steps: its clock holds a one-time cost.
+EARLY_RATIO = 3.0
+SPEED_MEASURES = (("throughput_vs_baseline", "throughput vs baseline"), ("speedup_time", "speed-up (time)"))
+
+
+def timing_warnings(rows: list[dict[str, Any]], trials: dict[str, list[TrialData]], base_name: str | None) -> list[str]:
+    """Sentences about timing that looks implausible, also set on each row concerned (``timing_warning``):
+    an arm whose throughput ratio or time speed-up is more than ``RATIO_APART`` times away from the median
+    of the arms' (its own with two others or more; the other arm's with one; 1.0, the baseline's own, alone), and a run whose first timed
+    steps took more than ``EARLY_RATIO`` times its median step."""
+    out: list[str] = []
+    by_arm: dict[str, list[str]] = {}
+    contestants = [r for r in rows if not r.get("start") and r["arm"] != base_name]
+    for key, label in SPEED_MEASURES:
+        values = {r["arm"]: _ratio(r.get(key)) for r in contestants}
+        values = {a: v for a, v in values.items() if v}
+        for arm, v in values.items():
+            others = [x for a, x in values.items() if a != arm]
+            # With two others or more the arm's own value joins them, so that one outlier among three arms
+            # cannot drag the median away from the two that agree; alone, it is held against 1.0.
+            ref = statistics.median(others + [v] if len(others) >= 2 else others or [1.0])
+            apart = max(v / ref, ref / v)
+            if apart > RATIO_APART:
+                text = (f"{arm}: {label} {v:.2f}× is {apart:.1f}× away from the other arms' "
+                        f"{'median ' if others else ''}{ref:.2f}×; check the runs' timing (a loaded machine, a one-time cost)")
+                out.append(text)
+                by_arm.setdefault(arm, []).append(text)
+    for arm, ts in trials.items():
+        for t in ts:
+            if t.usable and t.early_ratio is not None and t.early_ratio > EARLY_RATIO:
+                text = (f"{arm} seed {t.seed}: its first timed steps took {t.early_ratio:.1f}× its median step, so its "
+                        "training time holds a one-time cost")
+                out.append(text)
+                by_arm.setdefault(arm, []).append(text)
+    for r in rows:
+        if r["arm"] in by_arm:
+            r["timing_warning"] = "; ".join(by_arm[r["arm"]])
+    return out
+
+
+def _ratio(v: Any) -> float | None:
+    """A speed measure's value: a float, or the mean of a (mean, lo, hi, n) tuple."""
+    if isinstance(v, (tuple, list)):
+        v = v[0] if v else None
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) and v > 0 else None
 
 
 def _add_final_and_target(rows: list[dict[str, Any]], trials: dict[str, list[TrialData]], base_name: str | None,

@@ -222,7 +222,8 @@ class StudyRun:
         """Identity of what the study measures: the arms' configs minus the seed."""
         # Keys at the value that reproduces what ran before they existed are left out, so that studies from
         # before them keep their identity.
-        per_arm = {arm: {k: v for k, v in cfg.flat().items() if k != "seed" and (k, v) not in NEW_KEY_DEFAULTS}
+        # train.logger says where the series go, not what is measured: any logger continues a study.
+        per_arm = {arm: {k: v for k, v in cfg.flat().items() if k not in ("seed", "train.logger") and (k, v) not in NEW_KEY_DEFAULTS}
                    for (arm, seed), cfg in configs.items() if seed == 0}
         extra = {"tune": self.tune}
         return hashlib.sha256(json.dumps([per_arm, extra], sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -52,6 +52,10 @@ def record_result(trial, result: dict[str, Any]) -> None:
         "flops_per_token": result.get("flops_per_token"),
         "param_overhead_pct": result["param_overhead_pct"], "device": result["device"],
         "routing_backend": result["routing_backend"], "environment": result.get("environment"),
+        # The warm-up kept off the clock, and the early steps against the median one (the export warns
+        # when a run's first steps were far slower: its time columns are then suspect).
+        "warmup_seconds": result.get("warmup_seconds"),
+        **{f"timing_{k}": v for k, v in (result.get("step_timing") or {}).items()},
     }
     attrs.update(_final_eval_attrs(result.get("final_eval")))
     for k, v in attrs.items():

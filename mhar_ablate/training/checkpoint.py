@@ -29,7 +29,7 @@ RECORD = "mhar_ablate"
 # Settings that change how a run is executed or logged, not what it computes: a checkpoint carries
 # over between them.
 NOT_IDENTITY = ("train.threads", "train.checkpoint_every", "train.heatmap_every", "train.log_every", "train.compile",
-                "train.cuda_graph", "residual.backend")
+                "train.cuda_graph", "residual.backend", "train.logger")
 
 
 def identity(cfg: RunConfig) -> dict[str, Any]:
