@@ -210,7 +210,8 @@ def test_mhar_with_one_head_is_attnres():
 
 def test_every_kind_traces_into_one_graph():
     """torch.compile(fullgraph=True) refuses any graph break: each variant's forward is one graph (dynamo's
-    eager backend: the tracing is what is tested here; inductor's kernels are benchmarks/family_gpu.sh's)."""
+    eager backend: the tracing is what is tested here; inductor's kernels are compiled on a GPU by
+    `mhar-ablate bench model`'s -compiled rows)."""
     x, y = _batch(B=1, T=8)
     for name in ("hc", "mhc", "denseformer", "muddformer", "delta"):
         model = _model(dict(FAMILY)[name], n_layers=2)

@@ -41,7 +41,8 @@ the input; ``write`` mixes the streams and adds the output in one expression, fr
 saw (nothing of the mix is materialised between the two calls). Under torch.compile the mixes are
 pointwise code (``mix_streams``), which inductor can fuse with what surrounds them: a static write with
 the next read, for one. There static HC's weights are broadcast to every token, so that their gradient is
-dynamic HC's per-token reduction over d and a sum over tokens (``benchmarks/bench_hc_static.py`` times both);
+dynamic HC's per-token reduction over d and a sum over tokens (``benchmarks/bench_hc_static.py``, removed
+since, timed both: git history);
 eagerly its streams' mix in ``write`` is one float32 matmul.
 """
 
