@@ -193,7 +193,9 @@ def kind_class(kind: str) -> Any:
 
 @dataclass
 class DataConfig:
-    source: str = "stdlib"  # stdlib | a path to a file or folder of .txt/.jsonl/.json/.parquet | hub:NAME
+    # stdlib | debian-en (docs/corpora.md) | a path to a file or folder of .txt/.jsonl/.json/.parquet, or to a
+    # packed corpus folder | hub:NAME
+    source: str = "stdlib"
     text_field: str = "text"  # the column holding text in JSON lines / Parquet / hub datasets
     tokenizer: str = "byte"  # byte | bpe | a tokenizer.json file (a Hugging Face `tokenizers` file)
     vocab_size: int = 4096  # for bpe
@@ -221,7 +223,7 @@ class DataConfig:
             raise UsageError(f"data.final_sequences must be >= 0 (0: no final evaluation), got {self.final_sequences}")
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise UsageError(f"data.max_tokens must be positive, got {self.max_tokens}")
-        if self.source not in ("stdlib",) and not self.source.startswith("hub:") and not Path(self.source).exists():
+        if self.source not in ("stdlib", "debian-en") and not self.source.startswith("hub:") and not Path(self.source).exists():
             raise UsageError(f"data.source: no such file or folder: {self.source}")
 
 

@@ -69,9 +69,10 @@ class BpeTokenizer:
 
     name = "bpe"
 
-    def __init__(self, tok: Any, sha256: str):
+    def __init__(self, tok: Any, sha256: str, path: Path | None = None):
         self._tok = tok
         self.sha256 = sha256
+        self.path = path  # the tokenizer's file (what a pack carries)
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = tok.token_to_id(EOS)
 
@@ -129,7 +130,7 @@ def load_bpe(source: Source, vocab_size: int, root: Path) -> BpeTokenizer:
     if manifest is None:
         with exclusive(path):
             manifest = read_artifact(path) or write_artifact(path, lambda out: _train_bpe(out, source, vocab_size))
-    return BpeTokenizer(tokenizers.Tokenizer.from_file(str(path)), manifest["sha256"])
+    return BpeTokenizer(tokenizers.Tokenizer.from_file(str(path)), manifest["sha256"], path)
 
 
 class FileTokenizer(BpeTokenizer):
@@ -150,13 +151,17 @@ class FileTokenizer(BpeTokenizer):
             raise UsageError(f"data.tokenizer={path}: not a tokenizers file ({str(e).splitlines()[0][:120]})") from None
         if tok.token_to_id(EOS) is None:
             raise UsageError(f"data.tokenizer={path}: has no {EOS} token to end documents with")
-        super().__init__(tok, file_sha256(path))
+        super().__init__(tok, file_sha256(path), path)
 
     def spec(self) -> dict[str, Any]:
         return {"kind": "file", "vocab_size": self.vocab_size, "sha256": self.sha256}
 
 
-def load_tokenizer(kind: str, vocab_size: int, source: Source, root: Path) -> Tokenizer:
+def load_tokenizer(kind: str, vocab_size: int, source: Source | None, root: Path) -> Tokenizer:
+    if source is not None and source.pack is not None and kind in ("byte", "bpe"):
+        from .pack import pack_tokenizer
+
+        return pack_tokenizer(source.pack, kind, vocab_size)
     if kind == "byte":
         return ByteTokenizer()
     if kind == "bpe":
