@@ -42,7 +42,7 @@ from ..io import raise_if_no_space, write_json
 from .cache import CACHE_FORMAT, HashingWriter, digest, ensure_dir, exclusive, read_artifact, write_artifact
 
 # Bump when extraction or cleaning changes: it keys every cached text of this module.
-RECIPE_FORMAT = 1
+RECIPE_FORMAT = 2
 SEPARATOR = "\x00"  # ends each document in a cached text file; cleaning removes NUL from the text
 MIN_DOCUMENT_CHARS = 200  # navigation pages, stubs and empty index pages hold less than this
 CHUNK_CHARS = 64 << 10  # entries of a dictionary or lines of WordNet are grouped into documents of this size
@@ -253,13 +253,11 @@ def _ar_members(data: bytes, where: str) -> dict[str, bytes]:
 
 
 def _open_tar(name: str, blob: bytes, where: str) -> tarfile.TarFile:
-    if name.endswith(".zst"):
-        try:
-            import zstandard
-        except ImportError:
-            raise UsageError(f"{where}: its {name} is zstd-compressed; install the zstandard package") from None
-        blob = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(blob)).read()
-    return tarfile.open(fileobj=io.BytesIO(blob), mode="r:*")
+    # Debian's archive compresses with xz (some old packages gzip); Python reads both without a dependency.
+    try:
+        return tarfile.open(fileobj=io.BytesIO(blob), mode="r:*")
+    except tarfile.ReadError:
+        raise UsageError(f"{where}: cannot read its {name} (only xz, gzip and bzip2 are supported)") from None
 
 
 def _tar_of(members: dict[str, bytes], prefix: str, where: str) -> tarfile.TarFile:
@@ -355,7 +353,6 @@ def _sword_documents(files: list[tuple[str, bytes]]) -> Iterator[str]:
     conf = next((blob.decode("utf-8", "replace") for name, blob in files if name.endswith(".conf")), "")
     if re.search(r"^CompressType=(?!ZIP)", conf, re.M):
         raise UsageError(f"SWORD module {files[0][0]}: only ZIP-compressed modules are supported")
-    wide = bool(re.search(r"^ModDrv=\w*4\s*$", conf, re.M))  # zText4/zCom4: 32-bit entry sizes
     for name in sorted(by_name):
         if not re.search(r"/(ot|nt)\.[bc]zs$", name):
             continue
@@ -363,11 +360,9 @@ def _sword_documents(files: list[tuple[str, bytes]]) -> Iterator[str]:
         index, data, verses = by_name[name], by_name[stem + "z"], by_name.get(stem + "v", b"")
         blocks = [zlib.decompress(data[off:off + size]) for off, size, _ in struct.iter_unpack("<III", index)]
         entries: list[list[str]] = [[] for _ in blocks]
-        fmt = "<III" if wide else "<IIH"
         seen: set[tuple[int, int, int]] = set()  # a comment on a range of verses is linked from each of them
-        for block, start, size in struct.iter_unpack(fmt, verses[: len(verses) // struct.calcsize(fmt)
-                                                                  * struct.calcsize(fmt)]):
-            if size and block < len(blocks) and (block, start, size) not in seen:
+        for block, start, size in _verse_index(verses, blocks, name):
+            if size and (block, start, size) not in seen:
                 seen.add((block, start, size))
                 entry = markup_text(blocks[block][start:start + size].decode("utf-8", "replace"))
                 if entry:
@@ -375,6 +370,21 @@ def _sword_documents(files: list[tuple[str, bytes]]) -> Iterator[str]:
         for block in entries:
             if block:
                 yield "\n".join(block)
+
+
+def _verse_index(verses: bytes, blocks: list[bytes], where: str) -> list[tuple[int, int, int]]:
+    """(block, start, size) of each entry. Entries are 10 bytes (32-bit block and start, 16-bit size) or,
+    in some modules of the "4" drivers, 12 (a 32-bit size); the ModDrv field does not tell reliably
+    (MHCC says zCom4 and has 10), so the layout whose every entry lies inside its block is taken."""
+    for fmt in ("<IIH", "<III"):
+        width = struct.calcsize(fmt)
+        if len(verses) % width:
+            continue
+        entries = list(struct.iter_unpack(fmt, verses))
+        if all(not size or (block < len(blocks) and start + size <= len(blocks[block]))
+               for block, start, size in entries):
+            return entries
+    raise UsageError(f"SWORD module {where}: its verse index fits neither known layout")
 
 
 KINDS: dict[str, Callable[[list[tuple[str, bytes]]], Iterator[str]]] = {
