@@ -55,15 +55,41 @@ import time
 import torch
 import triton
 
-from bench_stack import graph_time, rel  # benchmarks/, beside this script
 from mhar_ablate.config import RunConfig, load_preset
 from mhar_ablate.kernels.column_group import MAX_GROUP, group_pass
-from mhar_ablate.model.residual.fused import plan_sites
+from mhar_ablate.variants.fused import plan_sites
 
 SITES_PER_PASS = 4
 BLOCK_SITES = 8  # block:4's sites a block (four layers of two sublayers)
-# The paper's tokens per step (mhar_ablate/bench.py): 8 x 2048 at 100M, 8 x 1024 otherwise; a few on the CPU.
+# The paper's tokens per step (mhar_ablate/bench/): 8 x 2048 at 100M, 8 x 1024 otherwise; a few on the CPU.
 BATCH = {"paper100m": (8, 2048), "tiny": (1, 6)}
+
+
+def rel(a, b) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def graph_time(fn, steps: int = 20) -> float:
+    """Median ms of CUDA-graph replays of ``fn`` (captured after warm-up on a side stream)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    del g
+    return sorted(times)[len(times) // 2]
 
 
 def copy_bandwidth(device) -> float:

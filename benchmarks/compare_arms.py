@@ -21,8 +21,9 @@ import sys
 from pathlib import Path
 
 from mhar_ablate.errors import UsageError
-from mhar_ablate.export import _mean_interval, build_table, collect, interpolate, t95
-from mhar_ablate.study import load_studies
+from mhar_ablate.reporting.statistics import mean_interval, t95
+from mhar_ablate.reporting.table import build_table, collect, interpolate
+from mhar_ablate.sweep.catalog import load_studies
 
 
 def seeds_needed(diffs: list[float], most: int = 1000) -> int | None:
@@ -50,7 +51,7 @@ def compare(trials: dict, a: str, b: str, at_step: float, at_seconds: float) -> 
         measures["final-set"] = [x.final_loss - y.final_loss for x, y in pairs]
     lines = [f"{a} - {b}, seeds {', '.join(str(x.seed) for x, _ in pairs)}:"]
     for name, diffs in measures.items():
-        m, h, n = _mean_interval(diffs)
+        m, h, n = mean_interval(diffs)
         ci = f"[{m - h:+.4f}, {m + h:+.4f}]" if n > 1 else "(one seed)"
         need = seeds_needed(diffs)
         lines.append(f"  {name:>12}: per seed {', '.join(f'{d:+.4f}' for d in diffs)}; mean {m:+.4f} {ci}; "

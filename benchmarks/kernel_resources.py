@@ -34,7 +34,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from mhar_ablate.bench import markdown_table
+from mhar_ablate.bench.model import markdown_table
 from mhar_ablate.kernels import column, column_group, history
 from mhar_ablate.kernels.launch import head_meta, products_fit
 
@@ -138,9 +138,9 @@ def column_rows(d: int, heads: int, configs: list[tuple], use_ptx: bool) -> list
             meta = {**head_meta(d, heads, has_b=True), "PTX": use_ptx, "LOW": two, "CARRY": False,
                     "TABLE": column.grads_in_place(d)}
             if stages:
-                fn, meta = column._column_bwd_kernel, {**meta, "BLOCK_N": block_n, "STAGES": stages}
+                fn, meta = column.slot._column_bwd_kernel, {**meta, "BLOCK_N": block_n, "STAGES": stages}
             else:
-                fn, meta = column._column_bwd_prefetch_kernel, {**meta, "PAIR": block_n == 2}
+                fn, meta = column.slot._column_bwd_prefetch_kernel, {**meta, "PAIR": block_n == 2}
             # per site: the tokens' output-gradient rows (bf16) and the site's query row (fp32)
             loop_bytes = block_n * d * 2 + d * 4
             name = fn.fn.__name__ + (" (two slots)" if two else "")
@@ -155,7 +155,7 @@ def history_rows(d: int, heads: int, block_g: int, configs: list[tuple], use_ptx
         block_n, warps, stages, sources = config
         meta = {**head_meta(d, heads, has_b=True), "BLOCK_G": block_g, "BLOCK_N": block_n, "STAGES": stages,
                 "SOURCES": sources, "PTX": use_ptx}
-        fn = history._history_fwd_kernel
+        fn = history.shared._history_fwd_kernel
         loop_bytes = sources * block_n * (d // heads) * 2  # an iteration's sources, one head of bf16 rows
         out.append(row(fn.fn.__name__, d, config, warps, compile_for_sm90(fn, meta, warps), loop_bytes))
     return out
@@ -174,7 +174,7 @@ def history_dot_rows(d: int, heads: int, block_g: int, configs: list[tuple], use
         for one_tile in (True, False):
             fn_meta = {**meta, "HALF": max(8, block_g), "BLOCK_S": max_s, "STAGES": stages, "ONE_TILE": one_tile,
                        "PTX": use_ptx}
-            fn = history._history_fwd_dot_kernel
+            fn = history.shared_dot._history_fwd_dot_kernel
             loop_bytes = max_s * (d // heads) * 2  # a tile of one head's rows, bf16
             name = fn.fn.__name__ + (" (one tile)" if one_tile else " (tiles)")
             out.append(row(name, d, config, warps, compile_for_sm90(fn, fn_meta, warps), loop_bytes))
@@ -194,7 +194,7 @@ def stacked_rows(d: int, heads: int, block_g: int, configs: list[tuple], use_ptx
         for S in (rows // 4, rows // 2):
             tokens, per_token = history.stacked_tile(S, block_g, rows)
             fn_meta = {**meta, "BLOCK_G": block_g, "T": tokens, "SP": per_token, "STAGES": stages, "PTX": use_ptx}
-            fn = history._history_fwd_stacked_kernel
+            fn = history.shared_stacked._history_fwd_stacked_kernel
             loop_bytes = tokens * S * (d // heads) * 2  # a tile's sources, one head of bf16 rows
             out.append(row(f"{fn.fn.__name__} (S = {S}: {tokens} tokens a tile of {rows})", d, (warps, stages),
                            warps, compile_for_sm90(fn, fn_meta, warps), loop_bytes))
@@ -230,7 +230,7 @@ def row_bwd_rows(d: int, heads: int, stages: list[int], norms: bool, warps_list:
     with ``norms`` the sublayer's pre-norm's backward folded in, at the table's pipeline depth and at
     ``stages``, with the table's register cap; and at the table's depth with ``warps_list``' warps."""
     out = []
-    warps = history._num_warps(d, heads, 1)
+    warps = history.common._num_warps(d, heads, 1)
     in_place = column.grads_in_place(d)
     configs, default = ((history.ROW_BWD_NORM_CONFIG, history.ROW_BWD_NORM_DEFAULT) if norms
                         else (history.ROW_BWD_CONFIG, history.ROW_BWD_DEFAULT))
@@ -239,7 +239,7 @@ def row_bwd_rows(d: int, heads: int, stages: list[int], norms: bool, warps_list:
                 "COPY_GRAD": norms or not in_place, "RECORD": in_place, "WRITE_DQG": S > 0, "NORM": norms,
                 "USE_RMS": S > 0, "S": S}
         cap, table = configs.get((d, heads), (default,) * 2)[S]
-        fn = history._sites_bwd_kernel
+        fn = history.backward._sites_bwd_kernel
         # a token's rows: the output gradient and the output, and with S = 1 the sum and the later gradient
         loop_bytes = (2 + 2 * S) * d * 2
         for depth, w in [(depth, warps) for depth in [table] + [s for s in stages if s != table]] + [
@@ -255,12 +255,12 @@ def merge_rows(d: int, heads: int, stages: list[int], norms: bool) -> list[dict]
     depth (2 and the row kernels' warps at widths the table leaves to the row kernel) and at ``stages``; with
     ``norms`` the sublayer's pre-norm written too."""
     out = []
-    warps, table = history.MERGE_CONFIG.get((d, heads), (history._num_warps(d, heads, 1), 2))
+    warps, table = history.MERGE_CONFIG.get((d, heads), (history.common._num_warps(d, heads, 1), 2))
     for S, add in ((1, True), (1, False), (3, False)):
         meta = {**head_meta(d, heads, has_b=True), "S": S, "USE_RMS": not add, "KEEP_RMS": add, "ADD": add,
                 "NORM": norms}
         for depth in [table] + [s for s in stages if s != table]:
-            fn = history._merge_fwd_kernel
+            fn = history.sites._merge_fwd_kernel
             # a token's rows: the partial state, the S sources, with ADD the block's last output
             loop_bytes = (1 + S + add) * d * 2
             compiled = compile_for_sm90(fn, {**meta, "STAGES": depth}, warps)
@@ -279,8 +279,8 @@ def query_rows(d: int, heads: int, configs: list[tuple]) -> list[dict]:
         fn_meta = {**meta, "BLOCK_S": block_s, "BLOCK_K": block_k, "USE_DOT": True, "SPLIT_BF16": True}
         # a block of dz*r (fp32) and of the slot's head (bf16)
         loop_bytes = block_s * block_k * 4 + block_k * (d // heads) * 2
-        out.append(row(column._dqg_kernel.fn.__name__, d, config, warps,
-                       compile_for_sm90(column._dqg_kernel, fn_meta, warps, stages), loop_bytes))
+        out.append(row(column.query._dqg_kernel.fn.__name__, d, config, warps,
+                       compile_for_sm90(column.query._dqg_kernel, fn_meta, warps, stages), loop_bytes))
     return out
 
 

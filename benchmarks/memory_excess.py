@@ -187,7 +187,8 @@ def measure(preset: str, compiled: bool, name: str, args: argparse.Namespace) ->
     """One variant: warm-up steps, then one recorded step; ``(live_at_peak result, raw snapshot)``."""
     import torch
 
-    from mhar_ablate.bench import PAPER_BATCH, PAPER_VOCAB, Training, Variant
+    from mhar_ablate.bench.variants import PAPER_BATCH, PAPER_VOCAB, Variant
+    from mhar_ablate.bench.step import Training
     from mhar_ablate.config import build_config
 
     kind, grouping, path = VARIANTS[name]

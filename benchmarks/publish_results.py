@@ -25,7 +25,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from mhar_ablate.bench import cell, markdown_table
+from mhar_ablate.bench.model import cell, markdown_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from collect_runs import KEYS  # noqa: E402  (the per-run figures docs/benchmarks.md quotes)
@@ -66,7 +66,7 @@ def write_heatmap(run: dict, path: Path) -> None:
         return
     import torch
 
-    from mhar_ablate.reporting.heatmap import routing_png
+    from mhar_ablate.training.heatmap import routing_png
 
     path.write_bytes(routing_png([torch.tensor(w) for w in run["routing_weights"]], run["arm"]))
 

@@ -38,7 +38,7 @@ def bench_jobs(spec: str) -> list[list[str]]:
 
 
 def study_jobs(name: str, preset: str | None, overrides: list[str], scratch: Path) -> list[list[str]]:
-    from mhar_ablate.study import StudyDefinition
+    from mhar_ablate.sweep.definition import StudyDefinition
 
     d = StudyDefinition.load(name)
     over = dict(o.split("=", 1) for o in overrides)

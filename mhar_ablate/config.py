@@ -17,6 +17,7 @@ from typing import Any, get_type_hints
 import yaml
 
 from .errors import UsageError
+from .ranges import check_fields, ranged
 
 PACKAGE_ROOT = Path(__file__).resolve().parent
 # configs/ and studies/ live beside the package in a checkout (and in an editable install); the
@@ -67,29 +68,28 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 @dataclass
 class ModelConfig:
     preset: str = "tiny"
-    d_model: int = 64
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    head_dim: int | None = None  # None: d_model // n_heads (Qwen3 sets it explicitly)
-    ffn: int = 192
-    seq_len: int = 128
-    vocab_size: int | None = None  # None: the tokenizer's vocabulary
-    rope_theta: float = 1_000_000.0
-    norm_eps: float = 1e-6
+    # Ranges (``ranges.py``): wide enough for any model this package trains, narrow enough that a value
+    # outside them is a typo, refused before a tensor of that shape is made.
+    d_model: int = ranged(64, 1, 65_536)
+    n_layers: int = ranged(4, 1, 1024)
+    n_heads: int = ranged(4, 1, 4096)
+    n_kv_heads: int = ranged(2, 1, 4096)
+    head_dim: int | None = ranged(None, 2, 65_536)  # None: d_model // n_heads (Qwen3 sets it explicitly)
+    ffn: int = ranged(192, 1, 1_048_576)
+    seq_len: int = ranged(128, 1, 1_048_576)
+    vocab_size: int | None = ranged(None, 1, 16_777_216)  # None: the tokenizer's vocabulary
+    rope_theta: float = ranged(1_000_000.0, 0, lo_open=True)
+    norm_eps: float = ranged(1e-6, 0, 1, lo_open=True)
     # The output projection is the input embedding (the presets, small Qwen3 models); false: a separate
     # lm_head matrix, as larger Qwen3 checkpoints have (``mhar-ablate convert`` sets it from the source).
     tie_embeddings: bool = True
 
     def validate(self) -> None:
-        for k in ("d_model", "n_layers", "n_heads", "n_kv_heads", "ffn", "seq_len"):
-            if getattr(self, k) <= 0:
-                raise UsageError(f"model.{k} must be positive, got {getattr(self, k)}")
         if self.n_heads % self.n_kv_heads:
             raise UsageError(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads}")
         if self.head_dim is None and self.d_model % self.n_heads:
             raise UsageError(f"model.n_heads={self.n_heads} must divide model.d_model={self.d_model} (or set model.head_dim)")
-        if self.head_dim is not None and (self.head_dim <= 0 or self.head_dim % 2):
+        if self.head_dim is not None and self.head_dim % 2:
             raise UsageError(f"model.head_dim must be a positive even number, got {self.head_dim}")
         if (self.head_dim or self.d_model // self.n_heads) % 2:
             raise UsageError("the attention head dimension must be even for rotary embeddings")
@@ -99,13 +99,13 @@ class ModelConfig:
 class ResidualConfig:
     """The shared residual keys, and each kind's own settings (``residual.<kind>.<name>``).
 
-    The kinds, their settings classes and their checks live in the registry, ``model/residual``: this class
+    The kinds, their settings classes and their checks live in the registry, ``variants/``: this class
     holds the values. A kind's settings object is made from the registry the first time it is asked for
     (``settings``); only the run's own kind's settings are saved (``RunConfig.to_dict``).
     """
 
     kind: str = "mhar"
-    heads: int | None = None  # routing heads H; None: the kind's default (1 for attnres, 8 for mhar and delta)
+    heads: int | None = ranged(None, 1, 65_536)  # routing heads H; None: the kind's default (1 for attnres, 8 for mhar and delta)
     grouping: str = "full"  # full | layer | block:K
     query_init: str = "zeros"  # zeros | normal:STD
     backend: str = "auto"  # auto | reference | triton
@@ -183,8 +183,8 @@ class ResidualConfig:
 
 
 def kind_class(kind: str) -> Any:
-    """The registered class of a residual kind (``model/residual/__init__.py``, ``RESIDUALS``)."""
-    from .model.residual import RESIDUALS  # the registry is the one list of kinds
+    """The registered class of a residual kind (``variants/__init__.py``, ``RESIDUALS``)."""
+    from .variants import RESIDUALS  # the registry is the one list of kinds
 
     if kind not in RESIDUALS:
         raise UsageError(f"unknown residual.kind {kind!r}: choose one of {', '.join(RESIDUALS)}")
@@ -198,14 +198,14 @@ class DataConfig:
     source: str = "stdlib"
     text_field: str = "text"  # the column holding text in JSON lines / Parquet / hub datasets
     tokenizer: str = "byte"  # byte | bpe | a tokenizer.json file (a Hugging Face `tokenizers` file)
-    vocab_size: int = 4096  # for bpe
-    val_fraction: float = 0.01
-    val_sequences: int = 64  # cap on the validation set (sequences of model.seq_len + 1 tokens)
+    vocab_size: int = ranged(4096, 260, 1_000_000)  # for bpe
+    val_fraction: float = ranged(0.01, 0, 0.5, lo_open=True, hi_open=True)
+    val_sequences: int = ranged(64, 1, 1_000_000_000)  # cap on the validation set (sequences of model.seq_len + 1 tokens)
     # The final evaluation set (every run ends with one evaluation on it): this many sequences of
     # model.seq_len + 1 tokens, spread evenly over the held-out part (capped by what it holds), the same
     # for every arm and seed. None: the preset's default (FINAL_SEQUENCES).
-    final_sequences: int | None = None
-    max_tokens: int | None = None  # truncate the corpus (after tokenising) for quick experiments
+    final_sequences: int | None = ranged(None, 0, 1_000_000_000)  # 0: no final evaluation
+    max_tokens: int | None = ranged(None, 1)  # truncate the corpus (after tokenising) for quick experiments
 
     def validate(self) -> None:
         if self.tokenizer not in ("byte", "bpe"):
@@ -213,16 +213,6 @@ class DataConfig:
                 raise UsageError(f"data.tokenizer must be byte, bpe or a tokenizer.json file, got {self.tokenizer!r}")
             if not Path(self.tokenizer).is_file():
                 raise UsageError(f"data.tokenizer: no such file: {self.tokenizer}")
-        if self.tokenizer == "bpe" and not 260 <= self.vocab_size <= 1_000_000:
-            raise UsageError(f"data.vocab_size must be between 260 and 1,000,000, got {self.vocab_size}")
-        if not 0 < self.val_fraction < 0.5:
-            raise UsageError(f"data.val_fraction must be in (0, 0.5), got {self.val_fraction}")
-        if self.val_sequences < 1:
-            raise UsageError(f"data.val_sequences must be at least 1, got {self.val_sequences}")
-        if self.final_sequences is not None and self.final_sequences < 0:
-            raise UsageError(f"data.final_sequences must be >= 0 (0: no final evaluation), got {self.final_sequences}")
-        if self.max_tokens is not None and self.max_tokens <= 0:
-            raise UsageError(f"data.max_tokens must be positive, got {self.max_tokens}")
         if self.source not in ("stdlib", "debian-en") and not self.source.startswith("hub:") and not Path(self.source).exists():
             raise UsageError(f"data.source: no such file or folder: {self.source}")
 
@@ -240,31 +230,19 @@ FINAL_SEQUENCES_OTHER = 16_384
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    warmup: float = 0.05  # fraction of the budget (steps or seconds) spent warming up
+    lr: float = ranged(3e-3, 0, lo_open=True)
+    weight_decay: float = ranged(0.1, 0)
+    beta1: float = ranged(0.9, 0, 1, hi_open=True)  # AdamW's betas: [0, 1)
+    beta2: float = ranged(0.95, 0, 1, hi_open=True)
+    grad_clip: float = ranged(1.0, 0)  # 0: no clipping
+    warmup: float = ranged(0.05, 0, 1, hi_open=True)  # fraction of the budget (steps or seconds) spent warming up
     schedule: str = "cosine"  # cosine | wsd | constant
-    min_lr_ratio: float = 0.1
-    decay_fraction: float = 0.2  # wsd: the final fraction of the budget spent decaying
+    min_lr_ratio: float = ranged(0.1, 0, 1)
+    decay_fraction: float = ranged(0.2, 0, 1, lo_open=True)  # wsd: the final fraction of the budget spent decaying
 
     def validate(self) -> None:
-        if not self.lr > 0:
-            raise UsageError(f"optim.lr must be positive, got {self.lr}")
-        if self.weight_decay < 0:
-            raise UsageError(f"optim.weight_decay must be >= 0, got {self.weight_decay}")
-        if not 0 <= self.warmup < 1:
-            raise UsageError(f"optim.warmup is a fraction of the budget in [0, 1), got {self.warmup}")
         if self.schedule not in ("cosine", "wsd", "constant"):
             raise UsageError(f"optim.schedule must be cosine, wsd or constant, got {self.schedule!r}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise UsageError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if not 0 < self.decay_fraction <= 1:
-            raise UsageError(f"optim.decay_fraction must be in (0, 1], got {self.decay_fraction}")
-        if self.grad_clip < 0:
-            raise UsageError(f"optim.grad_clip must be >= 0, got {self.grad_clip}")
 
 
 BUDGETS = ("steps", "wallclock", "flops")
@@ -273,30 +251,30 @@ BUDGETS = ("steps", "wallclock", "flops")
 @dataclass
 class TrainConfig:
     budget: str = "steps"  # steps | wallclock | flops
-    steps: int = 300  # optimiser steps; under the flops budget, set from train.flops (see training/budget.py)
-    time: float = 60.0  # seconds of training time for the wallclock budget
+    steps: int = ranged(300, 0, lo_open=True)  # optimiser steps; under the flops budget, set from train.flops (see training/budget.py)
+    time: float = ranged(60.0, 0, lo_open=True)  # seconds of training time for the wallclock budget
     # Training FLOPs for the flops budget (3e15, 3P, 300T; the count of model/flops.py). None: in a study,
     # the FLOPs of the baseline arm at train.steps; a run on its own must set it.
-    flops: float | None = None
-    batch_size: int = 16
-    eval_every: int = 10  # number of evaluations spread evenly over the budget
-    eval_batches: int = 4
-    heatmap_every: int = 4  # draw the routing heatmap every N evaluations (and always at the end)
+    flops: float | None = ranged(None, 0, lo_open=True)
+    batch_size: int = ranged(16, 1, 1_048_576)
+    eval_every: int = ranged(10, 1)  # number of evaluations spread evenly over the budget
+    eval_batches: int = ranged(4, 1)
+    heatmap_every: int = ranged(4, 1)  # draw the routing heatmap every N evaluations (and always at the end)
     # A checkpoint is written at every evaluation, on a stop and at the end; between evaluations also
     # once this many wall-clock seconds have passed since the last one (0: only at evaluations), so a
     # SIGKILL loses at most the training since the later of the two.
-    checkpoint_every: float = 600.0
+    checkpoint_every: float = ranged(600.0, 0)
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | fp32 | bf16
     compile: bool = False
     # Capture each step in a CUDA graph and replay it (CUDA only; on a CPU the step runs uncaptured).
     cuda_graph: bool = True
     # Steps between read-outs of the device (losses, gradient norms, the clock, divergence): the only
     # points besides evaluations where the host waits for the GPU.
-    log_every: int = 20
-    threads: int | None = None  # CPU threads for torch (at least 1); None: torch's default
+    log_every: int = ranged(20, 1)
+    threads: int | None = ranged(None, 1)  # CPU threads for torch (at least 1); None: torch's default
     # Processes (GPUs, or CPU process groups) per run, through Lightning's DDP. batch_size stays the
     # global batch (each rank takes batch_size / devices rows of it), so steps mean the same at any N.
-    devices: int = 1
+    devices: int = ranged(1, 1)
     # Weights a run starts from when it has no checkpoint of its own: a safetensors file or a checkpoint
     # of this package (``checkpoints/last.ckpt``), read without unpickling. Every non-routing parameter
     # must be in it with its shape; routing parameters it lacks keep the kind's initial values (delta's
@@ -306,34 +284,21 @@ class TrainConfig:
     init: str | None = None
     # The training stream's first batch number: a continued run reads on from where its source stopped
     # (batch i depends on (seed, i) only) instead of replaying the batches the source trained on.
-    first_batch: int = 0
+    first_batch: int = ranged(0, 0)
+    # Where the run's scalars go, through Lightning's logger API (training/loggers.py): tensorboard | csv |
+    # wandb (the wandb extra; WANDB_MODE=offline logs without an account).
+    logger: str = "tensorboard"
 
     def validate(self) -> None:
         if self.budget not in BUDGETS:
             raise UsageError(f"train.budget must be steps, wallclock or flops, got {self.budget!r}")
-        if self.steps <= 0:
-            raise UsageError(f"train.steps must be positive, got {self.steps}")
-        if not self.time > 0 or not math.isfinite(self.time):
-            raise UsageError(f"train.time must be a positive duration, got {self.time}")
-        if self.flops is not None and (not self.flops > 0 or not math.isfinite(self.flops)):
-            raise UsageError(f"train.flops must be a positive number of FLOPs, got {self.flops}")
-        if self.batch_size <= 0:
-            raise UsageError(f"train.batch_size must be positive, got {self.batch_size}")
-        if self.checkpoint_every < 0:
-            raise UsageError(f"train.checkpoint_every must be >= 0 seconds, got {self.checkpoint_every}")
-        if self.threads is not None and self.threads < 1:
-            raise UsageError(f"train.threads must be at least 1 (or none for torch's default), got {self.threads}")
-        if self.eval_every <= 0 or self.eval_batches <= 0 or self.heatmap_every <= 0 or self.log_every <= 0:
-            raise UsageError("train.eval_every, train.eval_batches, train.heatmap_every and train.log_every must be positive")
-        if self.devices < 1:
-            raise UsageError(f"train.devices must be at least 1, got {self.devices}")
         if self.batch_size % self.devices:
             raise UsageError(f"train.batch_size={self.batch_size} must be divisible by train.devices={self.devices} "
                              "(it is the global batch, split evenly between the processes)")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise UsageError(f"train.precision must be auto, fp32 or bf16, got {self.precision!r}")
-        if self.first_batch < 0:
-            raise UsageError(f"train.first_batch must be >= 0, got {self.first_batch}")
+        if self.logger not in ("tensorboard", "csv", "wandb"):
+            raise UsageError(f"train.logger must be tensorboard, csv or wandb, got {self.logger!r}")
 
 
 @dataclass
@@ -343,20 +308,27 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    seed: int = 0
+    seed: int = ranged(0, 0, 2**32 - 1)  # the range numpy's and torch's generators take
 
     def validate(self) -> "RunConfig":
-        for key, value in self.flat().items():  # inf and nan pass every range check below
-            if isinstance(value, float) and not math.isfinite(value):
-                raise UsageError(f"{key} must be a finite number, got {value}")
-        if not 0 <= self.seed < 2**32:  # the range numpy's and torch's generators take
-            raise UsageError(f"seed must be between 0 and {2**32 - 1}, got {self.seed}")
+        self.check_ranges()
         self.model.validate()
         self.residual.validate(self.model)
         self.data.validate()
         self.optim.validate()
         self.train.validate()
         return self
+
+    def check_ranges(self) -> None:
+        """Every key's own rule (``ranges.py``: finite numbers in the field's range, no empty string), for
+        the top-level keys, each section and every kind's settings object made so far, before the checks
+        that relate keys and before anything is built from a value."""
+        check_fields(self, "")
+        for name in ("model", "residual", "data", "optim", "train"):
+            check_fields(getattr(self, name), f"{name}.")
+        for kind, settings in self.residual._settings.items():
+            if settings is not None:
+                check_fields(settings, f"residual.{kind}.")
 
     def final_sequences(self) -> int:
         """Sequences asked of the final evaluation set: ``data.final_sequences``, or the preset's default."""
@@ -440,7 +412,11 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
         if optional:
             return None
         raise UsageError(f"{key} cannot be empty")
+    if isinstance(value, (list, tuple, set, dict)):
+        raise UsageError(f"{key}: expected {getattr(base, '__name__', base)}, got a {type(value).__name__} ({value!r})")
     try:
+        if base in (int, float) and isinstance(value, bool):  # YAML's true is not the number 1
+            raise ValueError
         if base is bool:
             if isinstance(value, bool):
                 return value
@@ -457,16 +433,19 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
                 return int(float(value)) if re.fullmatch(r"[-+]?\d+(\.0*)?([eE]\+?\d+)?", value) else int(value)
             return int(value)
         if base is float:
-            if key == "train.time":
-                return parse_duration(value)
-            if key == "train.flops":
-                return parse_flops(value)
+            try:
+                if key == "train.time":
+                    return parse_duration(value)
+                if key == "train.flops":
+                    return parse_flops(value)
+            except UsageError as e:
+                raise UsageError(f"{key}: {e}") from None
             return float(value)
         if base is str:
             return str(value)
     except UsageError:
         raise
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: 1e400 for an integer
         raise UsageError(f"{key}: expected {base.__name__}, got {value!r}") from None
     return value
 
@@ -520,7 +499,7 @@ def apply(cfg: RunConfig, updates: dict[str, Any], where: str = "") -> None:
 
 def _apply_kind_setting(res: ResidualConfig, parts: list[str], value: Any, key: str, src: str) -> None:
     """``residual.<kind>.<name>=value``: one of a kind's own settings."""
-    from .model.residual import RESIDUALS
+    from .variants import RESIDUALS
 
     with_settings = [k for k, c in RESIDUALS.items() if c.Settings is not None]
     kind = parts[1]
@@ -536,7 +515,12 @@ def _apply_kind_setting(res: ResidualConfig, parts: list[str], value: Any, key: 
 
 
 def load_preset(cfg: RunConfig, name: str) -> None:
-    path = find_resource("configs", name)
+    if not name.strip():
+        raise UsageError(f"model.preset cannot be empty: choose one of {', '.join(list_resources('configs'))}")
+    try:
+        path = find_resource("configs", name)
+    except UsageError as e:
+        raise UsageError(f"model.preset: {e}") from None
     data = load_yaml(path)
     types = _section_types(ModelConfig)
     for k, v in data.items():

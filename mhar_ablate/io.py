@@ -1,8 +1,10 @@
 """Atomic file writes: a temporary file in the same folder, fsync, then rename (and fsync of the folder),
 so a kill at any moment leaves either the old file or the new one, never half of one; a full disk, a
 read-only folder or a file where a folder should be becomes one clear error. Exports, run results,
-checkpoints and the data cache all write through here. Also the checks made before anything trains:
-that an output folder can be written, and that the disk has room for what a run will write."""
+checkpoints and the data cache all write through here; a write killed before its rename leaves its
+temporary, which ``remove_stale_temporaries`` removes when a run or study next starts on the folder.
+Also the checks made before anything trains: that an output folder can be written, and that the disk
+has room for what a run will write."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ import errno
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -104,6 +108,45 @@ def commit(tmp: Path, path: Path) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise_if_no_space(e, path)
         raise
+
+
+# The temporary ``atomic_writer`` makes for ``<folder>/<name>``: ``.<name>.`` + mkstemp's 8 random characters
+# (lower-case letters, digits, underscore) + ``.tmp``. Nothing else is taken for one of ours.
+_TEMPORARY = re.compile(r"\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp")
+# A temporary untouched this long has no live writer: a writer renames its file right after writing it
+# (fsync, chmod, rename), and while it writes the file's modification time keeps moving.
+STALE_TEMPORARY_S = 600.0
+
+
+def remove_stale_temporaries(folder: str | Path, *, names: Collection[str] | None = None,
+                             owned: Collection[str] = (), older_than: float = STALE_TEMPORARY_S) -> list[Path]:
+    """Remove what writes killed between ``atomic_writer``'s temporary and its rename left in ``folder``
+    (not its subfolders); return the files removed. The rule: a regular file (no link, no folder) whose name
+    is ``atomic_writer``'s temporary name of a file ``<name>`` (``names``, where given, limits which), and
+    either untouched for ``older_than`` seconds (no live writer, see ``STALE_TEMPORARY_S``) or of a name in
+    ``owned``: files whose every writer holds a lock the caller holds now, so no other process writes one.
+    A folder that cannot be read or written is left as it is (a read-only study still answers)."""
+    folder = Path(folder)
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    now = time.time()
+    for entry in entries:
+        m = _TEMPORARY.fullmatch(entry.name)
+        if m is None or (names is not None and m.group("name") not in names):
+            continue
+        try:
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            if m.group("name") not in owned and now - entry.stat(follow_symlinks=False).st_mtime < older_than:
+                continue
+            os.unlink(entry.path)
+        except OSError:
+            continue
+        removed.append(Path(entry.path))
+    return removed
 
 
 @contextmanager

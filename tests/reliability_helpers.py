@@ -97,13 +97,13 @@ class SimulatedKill(BaseException):
 
 def kill_before_record(monkeypatch, arm: str) -> None:
     """The trial of ``arm`` dies after training, before its result reaches the study database."""
-    from mhar_ablate import study as study_mod
+    from mhar_ablate.sweep import trials
 
-    real_record = study_mod._record
+    real_record = trials.record_result
 
     def kill(trial, result):
         if trial.params["arm"] == arm:
             raise SimulatedKill
         real_record(trial, result)
 
-    monkeypatch.setattr(study_mod, "_record", kill)
+    monkeypatch.setattr(trials, "record_result", kill)  # the workers import it when a trial ends

@@ -9,8 +9,10 @@ import json
 import pytest
 import torch
 
-from mhar_ablate.bench import (_copy_split, _ratios, add_bench_parser, all_variants, cmd_bench, render_table,
-                                select_variants)
+from mhar_ablate.bench.step import _copy_split
+from mhar_ablate.bench.model import _ratios, render_table
+from mhar_ablate.bench.cli import add_bench_parser, cmd_bench
+from mhar_ablate.bench.variants import all_variants, select_variants
 from mhar_ablate.errors import UsageError
 
 
@@ -56,7 +58,8 @@ def test_variant_selection():
 def test_fold_norms_gives_one_fused_row_per_value_where_the_kind_folds():
     """``--fold-norms off,on``: mhar's and AttnRes's fused rows twice (the model built with the sublayers'
     pre-norms in its routing kernels, or not), delta's and the reference path's once; the table says which."""
-    from mhar_ablate.bench import _fold_norms, build_model
+    from mhar_ablate.bench.options import fold_norms_option as _fold_norms
+    from mhar_ablate.bench.step import build_model
 
     variants = select_variants("*-fused-compiled,mhar-full-ref-compiled", all_variants([None], _fold_norms("off,on")))
     seen = [(v.name, v.fold_norms) for v in variants]
@@ -83,25 +86,25 @@ def test_fold_norms_gives_one_fused_row_per_value_where_the_kind_folds():
 def test_stacked_config_gives_one_fused_row_per_form_and_launches_it(tmp_path, monkeypatch, capsys):
     """``--stacked-config off;T,W,S,R``: one fused row per form, each row's shared passes launched in its own
     form (the package's switch set while its model steps, then restored), the form in the row and the table."""
-    import mhar_ablate.bench as bench
+    from mhar_ablate.bench import options
     from mhar_ablate.kernels import history
 
-    assert bench._stacked_configs("off; 32,1,3,16;off") == ["off", "32,1,3,16"]
+    assert options.stacked_configs("off; 32,1,3,16;off") == ["off", "32,1,3,16"]
     for bad in ("on", "32,1,3", "32,1,3,8", "0,1,3,16", "a,b,c,d", ""):
         with pytest.raises(UsageError, match="--stacked-config takes off or"):
-            bench._stacked_configs(bad)
+            options.stacked_configs(bad)
     variants = select_variants("mhar-block4-fused-eager", all_variants([None], [None], ["off", "4,1,1,16"]))
     assert [(v.name, v.stacked) for v in variants] == [
         ("baseline-eager", None), ("mhar-block4-fused-eager", "off"), ("mhar-block4-fused-eager", "4,1,1,16")]
 
     launched = []
-    stacked_forward = history._history_stacked_forward
+    stacked_forward = history.shared._history_stacked_forward
 
     def spy(*a, **k):
         launched.append(history.HISTORY_STACKED_CONFIG)
         return stacked_forward(*a, **k)
 
-    monkeypatch.setattr(history, "_history_stacked_forward", spy)
+    monkeypatch.setattr(history.shared, "_history_stacked_forward", spy)  # where history_forward calls it
     monkeypatch.setattr(history, "HISTORY_STACKED_CONFIG", None)
     out = tmp_path / "rows.json"
     # two heads of 32 channels: wide enough for the products; block:4 at tiny: shared passes over 1-2 sources
@@ -120,7 +123,7 @@ def test_stacked_config_gives_one_fused_row_per_form_and_launches_it(tmp_path, m
 
 
 def test_check_runs_in_each_stacked_form_and_stops_at_a_failure(monkeypatch):
-    import mhar_ablate.bench as bench
+    from mhar_ablate.bench import check as bench
     from mhar_ablate.kernels import history
 
     seen = []
@@ -221,8 +224,8 @@ def test_profiled_step_names_its_costliest_kernels():
     step's kernel time and in its top kernels, routed or not (the family's rows have only those)."""
     from types import SimpleNamespace as E
 
-    from mhar_ablate.bench import routing_time
-    from mhar_ablate.model.residual.fused import ROUTING_RANGE
+    from mhar_ablate.bench.step import routing_time
+    from mhar_ablate.variants.fused import ROUTING_RANGE
 
     def event(name, parent, *kernels):
         return E(name=name, cpu_parent=parent, sequence_nr=-1, thread=0, fwd_thread=0,
@@ -240,7 +243,7 @@ def test_profiled_step_names_its_costliest_kernels():
 def test_rounds_time_variant_and_baseline_in_turn(monkeypatch):
     """--rounds: the pair's order alternates each round, a round's ratio is the baseline's median step over
     the variant's of that round, and the row reports the rounds' medians."""
-    import mhar_ablate.bench as bench
+    from mhar_ablate.bench import model as bench
 
     order = []
     clock = {"base": iter([10.0, 10.0, 12.0, 12.0, 11.0, 11.0]), "ours": iter([12.5, 12.5, 15.0, 15.0, 11.0, 11.0])}
@@ -260,7 +263,7 @@ def test_rounds_time_variant_and_baseline_in_turn(monkeypatch):
         order.append(name)
         return [next(clock[name]) for _ in range(n)], step(first)
 
-    monkeypatch.setattr(bench, "_timed_steps", timed)
+    monkeypatch.setattr(bench, "timed_steps", timed)
     readings = iter([1755, 1980, 1980, 1965, 1980, 1980])  # the clock after each side's steps, in order
     monkeypatch.setattr(bench, "sm_clock_mhz", lambda device: next(readings))
     row = _row("mhar-full-fused-compiled-graph", "mhar", True, True, None)
@@ -295,7 +298,7 @@ def test_cpu_smoke_run_with_rounds(tmp_path):
 
 def test_failed_rounds_keep_the_row(tmp_path, monkeypatch):
     """Rounds that fail leave the variant's own measurement in place, the reason beside it."""
-    import mhar_ablate.bench as bench
+    from mhar_ablate.bench import model as bench
 
     def broken(*a):
         raise RuntimeError("the card went away")

@@ -9,7 +9,8 @@ import pytest
 from benchmark_scripts import load_script
 
 from mhar_ablate.errors import UsageError
-from mhar_ablate.export import TrialData, t95
+from mhar_ablate.reporting.table import TrialData
+from mhar_ablate.reporting.statistics import t95
 
 
 @pytest.fixture(scope="module")

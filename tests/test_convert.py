@@ -12,7 +12,7 @@ import yaml
 
 from mhar_ablate.cli import main
 from mhar_ablate.config import build_config
-from mhar_ablate.convert import build_converted, converted_config, read_source
+from mhar_ablate.interop.convert import build_converted, converted_config, read_source
 from mhar_ablate.model import Decoder
 from mhar_ablate.model.weights import load_initial
 from mhar_ablate.training.run import load_run_config, train_run

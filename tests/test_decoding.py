@@ -13,7 +13,7 @@ import torch
 from mhar_ablate.cli import main
 from mhar_ablate.config import build_config
 from mhar_ablate.model import Decoder
-from mhar_ablate.model.residual import RESIDUALS
+from mhar_ablate.variants import RESIDUALS
 
 VOCAB = 64
 # fp32: the cached path adds the same terms in other orders (one-row matrix products, the grouped-query

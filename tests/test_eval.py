@@ -48,7 +48,8 @@ STUDY = ("description: one routed arm\nfixed: {model.preset: tiny}\narms:\n  mha
 def study(tmp_path_factory) -> tuple[Path, Path, object]:
     """(output folder, study file, StudyRun) of a tiny MHAR study, 2 seeds trained 2 steps each on this
     package's source, run as a user runs it: finished trials keep their weights, not their checkpoints."""
-    from mhar_ablate.study import StudyDefinition, StudyRun, run_study
+    from mhar_ablate.sweep.definition import StudyDefinition, StudyRun
+    from mhar_ablate.sweep.driver import run_study
 
     tmp = tmp_path_factory.mktemp("eval")
     path = tmp / "pair.yaml"
@@ -189,8 +190,9 @@ def test_bad_input_is_one_line(trained, tmp_path, capsys, monkeypatch):
 def test_a_finished_study_trial_keeps_the_weights_it_trained(study, tmp_path):
     """A study drops a finished trial's checkpoint but keeps its decoder weights, exactly, with their step."""
     from mhar_ablate.evaluation.trained import load_trained
-    from mhar_ablate.study import drop_checkpoints
-    from mhar_ablate.training.checkpoint import CHECKPOINT, read_checkpoint
+    from mhar_ablate.sweep.trials import drop_checkpoints
+    from mhar_ablate.training.checkpoint import CHECKPOINT
+    from mhar_ablate.model.weights import read_checkpoint
 
     out, _, sr = study
     run_dir = sr.run_dir("mhar-h2", 0)
@@ -250,8 +252,9 @@ def test_study_eval_adds_mean_and_spread_over_seeds_to_the_export(study, tmp_pat
 def test_export_columns_from_the_runs_eval_files(tmp_path):
     """Per arm and task metric: mean ± std over the seeds that have results, the latest evaluation of a
     run winning, other shot counts apart, bold where the harness says which end is better."""
-    from mhar_ablate.evaluation.columns import add_eval_columns
-    from mhar_ablate.export import StudyTable, TrialData, render
+    from mhar_ablate.reporting.eval_columns import add_eval_columns
+    from mhar_ablate.reporting.table import StudyTable, TrialData
+    from mhar_ablate.reporting.render import render
 
     def trial(arm, seed):
         return TrialData(arm, seed, "completed", [(0, 0, 0, 5.0), (10, 1, 100, 4.0)], 1.0, None, 10, 0.0, "cpu", "")

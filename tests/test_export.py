@@ -7,7 +7,8 @@ import statistics
 
 import pytest
 
-from mhar_ablate.export import StudyTable, TrialData, _paired, latex_escape, render
+from mhar_ablate.reporting.table import StudyTable, TrialData, _paired
+from mhar_ablate.reporting.render import latex_escape, render
 
 SPECIAL = "a&b%c$d#e_f{g}h~i^j\\k"
 ESCAPED = r"a\&b\%c\$d\#e\_f\{g\}h\textasciitilde{}i\textasciicircum{}j\textbackslash{}k"

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from mhar_ablate.cli import main
 from mhar_ablate.config import build_config, from_dict
 from mhar_ablate.model import Decoder, count_parameters, routing_overhead
-from mhar_ablate.model.residual import RESIDUALS
-from mhar_ablate.model.residual.mhc import sinkhorn
+from mhar_ablate.variants import RESIDUALS
+from mhar_ablate.variants.mhc import sinkhorn
 from mhar_ablate.training.run import arm_label
 
 VOCAB = 64
@@ -210,7 +210,8 @@ def test_mhar_with_one_head_is_attnres():
 
 def test_every_kind_traces_into_one_graph():
     """torch.compile(fullgraph=True) refuses any graph break: each variant's forward is one graph (dynamo's
-    eager backend: the tracing is what is tested here; inductor's kernels are benchmarks/family_gpu.sh's)."""
+    eager backend: the tracing is what is tested here; inductor's kernels are compiled on a GPU by
+    `mhar-ablate bench model`'s -compiled rows)."""
     x, y = _batch(B=1, T=8)
     for name in ("hc", "mhc", "denseformer", "muddformer", "delta"):
         model = _model(dict(FAMILY)[name], n_layers=2)
@@ -369,7 +370,7 @@ def test_info_works_for_every_kind(capsys):
 
 
 def test_bench_gives_every_kind_rows(tmp_path):
-    from mhar_ablate.bench import all_variants, select_variants
+    from mhar_ablate.bench.variants import all_variants, select_variants
 
     names = [v.name for v in all_variants([None])]
     for kind in RESIDUALS:
@@ -389,7 +390,7 @@ def test_bench_gives_every_kind_rows(tmp_path):
 
 
 def test_baselines_study_arms():
-    from mhar_ablate.study import StudyDefinition
+    from mhar_ablate.sweep.definition import StudyDefinition
 
     d = StudyDefinition.load("baselines")
     kinds = set()

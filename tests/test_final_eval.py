@@ -18,7 +18,8 @@ import torch
 
 from mhar_ablate.config import build_config
 from mhar_ablate.data import TokenDataModule
-from mhar_ablate.export import build_table, render
+from mhar_ablate.reporting.table import build_table
+from mhar_ablate.reporting.render import render
 from mhar_ablate.model import Decoder
 from mhar_ablate.reporting.to_target import crossing, speedup, to_target
 from mhar_ablate.training import final_eval

@@ -12,12 +12,15 @@ import pytest
 import torch
 import yaml
 
-from mhar_ablate.cli import _warn_unused_budget_options, main
+from mhar_ablate.cli import main
+from mhar_ablate.cli.main import _warn_unused_budget_options
 from mhar_ablate.config import build_config, format_flops, parse_flops
 from mhar_ablate.errors import UsageError
 from mhar_ablate.model.flops import flops_per_token, matmul_parameters
-from mhar_ablate.model.residual import RESIDUALS
-from mhar_ablate.study import StudyDefinition, StudyRun, _pruning_reporter, run_study
+from mhar_ablate.variants import RESIDUALS
+from mhar_ablate.sweep.definition import StudyDefinition, StudyRun
+from mhar_ablate.sweep.trials import pruning_reporter
+from mhar_ablate.sweep.driver import run_study
 from mhar_ablate.training.run import train_run
 from mhar_ablate.training.schedule import lr_factor
 from test_study import FAST, FakeTrial
@@ -99,10 +102,10 @@ def test_flops_budget_trains_the_steps_its_flops_buy_each_arm(tmp_path):
         assert budget - _per_step(cfg, BYTE_VOCAB) < r["flops"] <= budget  # the most whole steps that fit
         saved = yaml.safe_load((tmp_path / kind / "config.yaml").read_text())
         assert saved["train"]["steps"] == r["step"] and saved["train"]["flops"] == budget
-        s = _scalars(tmp_path / kind / "tb")
-        assert len(s["val/loss_per_gflop"]) == len(r["curve"])
+        s = _scalars(tmp_path / kind)
+        assert len(s["loss/val_vs_gflops"]) == len(r["curve"])
         # the schedule's progress is FLOPs done / the FLOPs of the steps bought: step / steps
-        assert s["train/lr"] == pytest.approx([cfg.optim.lr * lr_factor(i / r["step"], cfg.optim) for i in range(r["step"])])
+        assert s["optim/lr"] == pytest.approx([cfg.optim.lr * lr_factor(i / r["step"], cfg.optim) for i in range(r["step"])])
         steps[kind] = r["step"]
     assert steps == {"baseline": 6, "mhar": 5}
     # A finished folder is the same run when continued: the resolved steps do not make it another.
@@ -184,7 +187,7 @@ def test_pruning_under_flops_reports_at_the_same_points_for_every_arm():
         cfg = build_config(overrides={"train.budget": "flops", "train.flops": "1e12", "train.eval_every": "4",
                                       "train.steps": str(steps)})
         t = FakeTrial(prune_after=99)
-        report = _pruning_reporter(t, "flops", cfg)
+        report = pruning_reporter(t, "flops", cfg)
         evals = [s for s in range(steps + 1) if s * 4 // steps > (s - 1) * 4 // steps or s == 0]
         for s in evals:
             report(s, 0.0, 1.0)

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from mhar_ablate.config import build_config
 from mhar_ablate.model import Decoder
-from mhar_ablate.model.residual.fused import FusedState, plan_sites
+from mhar_ablate.variants.fused import FusedState, plan_sites
 
 VOCAB = 64
 
@@ -65,7 +65,7 @@ def _assert_same(ref, fused, idx=None, atol=2e-6):
 ])
 @pytest.mark.parametrize("fold", [False, True], ids=["norms-in-sublayers", "norms-folded"])
 def test_fused_matches_reference_in_fp32(kind, grouping, heads, d, layers, sites_per_pass, fold, monkeypatch):
-    from mhar_ablate.model.residual import fused
+    from mhar_ablate.variants import fused
 
     monkeypatch.setattr(fused, "FOLD_NORMS", fold)
     ref, fused_model = _pair(kind, grouping, heads, d, layers, sites_per_pass)
@@ -79,7 +79,7 @@ def test_fused_matches_reference_with_output_gradients_copied(grouping, fold, mo
     False, d = 1280) rather than reading it where autograd left it, as these small widths do (folded, the
     output's gradient is made from the normed input's and written to the buffer, or over the normed one's)."""
     from mhar_ablate.kernels import column
-    from mhar_ablate.model.residual import fused
+    from mhar_ablate.variants import fused
 
     assert column.grads_in_place(32) and not column.grads_in_place(1280)
     monkeypatch.setattr(column, "GRADS_IN_PLACE", False)
@@ -96,7 +96,7 @@ def test_fused_matches_reference_with_the_merges_kernel(grouping, d, fold, monke
     at a head width split 8 + 4 and a power of two: folded, it writes the pre-norm and keeps its statistics
     for the backward; in block grouping it keeps the partial sum's RMS too."""
     from mhar_ablate.kernels import history
-    from mhar_ablate.model.residual import fused
+    from mhar_ablate.variants import fused
 
     monkeypatch.setattr(history, "MERGE_CONFIG", {**history.MERGE_CONFIG, (d, 4): (4, 2)})
     monkeypatch.setattr(fused, "FOLD_NORMS", fold)
@@ -126,13 +126,14 @@ def test_fused_matches_reference_with_stacked_shared_passes(grouping, monkeypatc
     from mhar_ablate.kernels import history
 
     monkeypatch.setattr(history, "HISTORY_STACKED_CONFIG", (32, 1, 3, 16))
-    calls, real_launch = [], history.launch
+    calls, real_launch = [], history.shared.launch
 
     def launch(kernel, grid, args, meta, device):
         calls.append(kernel.fn.__name__)
         real_launch(kernel, grid, args, meta, device)
 
-    monkeypatch.setattr(history, "launch", launch)
+    for form in (history.shared, history.shared_dot, history.shared_stacked):  # the shared pass's launches
+        monkeypatch.setattr(form, "launch", launch)
     ref, fused_model = _pair("mhar", grouping, 2, 96, 3, 4)
     _assert_same(ref, fused_model)
     assert "_history_fwd_stacked_kernel" in calls and "_history_fwd_kernel" not in calls
@@ -144,8 +145,8 @@ def test_sublayer_norms_are_computed_in_the_routing_kernels(grouping, monkeypatc
     pre-norm runs inside the site's kernels (the merge's or its own row pass forward, the prologue backward),
     not as the sublayer's module; the final norm stays the head's. Switched off on the same model, the
     sublayers normalise their inputs themselves, with the same result."""
-    from mhar_ablate.model.residual import fused
-    from mhar_ablate.model.transformer import RMSNorm
+    from mhar_ablate.variants import fused
+    from mhar_ablate.norm import RMSNorm
 
     monkeypatch.setattr(fused, "FOLD_NORMS", True)
     calls = []
@@ -169,7 +170,7 @@ def test_sublayer_norms_are_computed_in_the_routing_kernels(grouping, monkeypatc
 def test_norms_are_folded_by_default_where_the_grouping_was_measured_faster(monkeypatch):
     """``fused.FOLD_NORMS_BY_GROUPING``: block:K models (layer is block:1) fold their sublayers' pre-norms into
     the routing kernels, full ones not; ``FOLD_NORMS`` overrides it; kinds that cannot fold never do."""
-    from mhar_ablate.model.residual import fused
+    from mhar_ablate.variants import fused
 
     monkeypatch.setattr(fused, "FOLD_NORMS", None)
     built = {(kind, grouping): _pair(kind, grouping, 4 if kind == "mhar" else None)[0].residual.fold_norms
@@ -298,7 +299,7 @@ def test_buffers_are_freed_when_backward_ends_while_the_loss_lives():
 def test_wide_heads_share_passes_two_sites_at_most():
     """A head wider than the head-tiled pass takes (AttnRes at d > 256) would not fit its registers: such
     models route at most two sites a pass, whatever sites_per_pass asks."""
-    from mhar_ablate.model.residual.fused import HEAD_TILED_MAX_WIDTH, ROW_PASS_MAX_SITES
+    from mhar_ablate.variants.fused import HEAD_TILED_MAX_WIDTH, ROW_PASS_MAX_SITES
 
     d = 2 * HEAD_TILED_MAX_WIDTH
     _, fused = _pair("attnres", "full", None, d, 2, sites_per_pass=4)

@@ -85,18 +85,20 @@ def test_shared_pass_stacked_products_match_the_reference(monkeypatch, S, N, d, 
     last tile ending at the last token (it overlaps the one before and writes the same values again)."""
     monkeypatch.setattr(history, "HISTORY_STACKED_CONFIG", (32, 1, 3, rows))
     monkeypatch.setattr(history, "_INTERPRETER_STACKED_TILES", tiles)
-    block_g = history._block_g(G)
+    block_g = history.common._block_g(G)
     tokens, per_token = history.stacked_tile(S, block_g, rows)
     assert tokens * per_token == rows and tokens * block_g <= 16 and per_token >= S
-    calls, real_launch = [], history.launch
+    calls, real_launch = [], history.shared.launch
 
     def launch(kernel, grid, args, meta, device):
         calls.append(kernel)
         real_launch(kernel, grid, args, meta, device)
 
-    monkeypatch.setattr(history, "launch", launch)
+    for form in (history.shared, history.shared_dot, history.shared_stacked):  # the shared pass's launches
+        monkeypatch.setattr(form, "launch", launch)
     _check_shared_pass(S, N, d, H, G)
-    assert len(calls) == 1 and (calls[0] is history._history_fwd_stacked_kernel) == (S <= rows // 2 and N >= tokens)
+    stacked = history.shared_stacked._history_fwd_stacked_kernel
+    assert len(calls) == 1 and (calls[0] is stacked) == (S <= rows // 2 and N >= tokens)
 
 
 def _check_shared_pass(S, N, d, H, G):

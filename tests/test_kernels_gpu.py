@@ -578,7 +578,7 @@ def test_add_row_sums_matches_torch(P, G, d):
 
 def routed_stack(grouping: str, d: int, layers: int, heads: int, backend: str, spp: int):
     from mhar_ablate.config import build_config
-    from mhar_ablate.model.residual import build_residual
+    from mhar_ablate.variants import build_residual
 
     over = {"model.d_model": str(d), "model.n_layers": str(layers), "model.n_heads": "8", "model.n_kv_heads": "4",
             "model.ffn": str(4 * d), "residual.kind": "mhar" if heads > 1 else "attnres",
@@ -601,7 +601,7 @@ def stack_grads(res, layers: int, x0: torch.Tensor, probe: torch.Tensor, dtype: 
     channel grows with depth and low-precision runs stay comparable with the float64 one). With ``norms``
     each sublayer first takes its input through the decoder's RMSNorm (gains away from 1), which the fused
     path computes in its own kernels (``read_with_norm``)."""
-    from mhar_ablate.model.transformer import RMSNorm
+    from mhar_ablate.norm import RMSNorm
 
     gen = torch.Generator(device=DEVICE).manual_seed(4)
     d = x0.shape[-1]
@@ -658,7 +658,7 @@ def test_fused_path_with_sublayer_norms_matches_float64(dtype, grouping, spp, d,
     """The same with each sublayer's RMSNorm folded into the sites' kernels (the merges', the lone sites' row
     pass, the prologues' backward), the output gradients copied (d = 1280) or made in place (d = 1024): the
     norms' gains' gradients too."""
-    from mhar_ablate.model.residual import fused
+    from mhar_ablate.variants import fused
 
     monkeypatch.setattr(fused, "FOLD_NORMS", True)
     layers, tokens = 5, 67
@@ -684,7 +684,7 @@ def test_sinkhorn_matches_float64(spread):
     """A site's H_res at paper350m's token count (N = 8192, n = 4, t_max = 20) in fp32, forward and backward,
     against ``_Sinkhorn`` (``sinkhorn_reference``) in float64; no further off than it is in fp32 (x2, or
     TOL)."""
-    from mhar_ablate.model.residual.mhc import sinkhorn, sinkhorn_reference
+    from mhar_ablate.variants.mhc import sinkhorn, sinkhorn_reference
 
     gen = torch.Generator(device=DEVICE).manual_seed(int(spread))
     logits, grad = randn(gen, 2, 4096, 4, 4, scale=spread), randn(gen, 2, 4096, 4, 4)

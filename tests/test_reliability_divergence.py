@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 import math
 
-from mhar_ablate.export import build_table, render
-from mhar_ablate.study import StudyDefinition, StudyRun, load_studies, run_study
+from mhar_ablate.reporting.table import build_table
+from mhar_ablate.reporting.render import render
+from mhar_ablate.sweep.definition import StudyDefinition, StudyRun
+from mhar_ablate.sweep.catalog import load_studies
+from mhar_ablate.sweep.driver import run_study
 
 from reliability_helpers import FAST, write_study
 

@@ -69,7 +69,8 @@ def test_checkpoints_are_replaced_atomically(tmp_path, monkeypatch):
     import lightning
 
     from mhar_ablate.config import build_config
-    from mhar_ablate.training.run import read_checkpoint, train_run
+    from mhar_ablate.model.weights import read_checkpoint
+    from mhar_ablate.training.run import train_run
 
     cfg = build_config(overrides=dict(a.split("=", 1) for a in FAST) | {"train.steps": "12"})
     calls = {"n": 0}
@@ -189,7 +190,7 @@ def test_a_checkpoint_replaced_while_it_is_read_is_read_again(tmp_path, monkeypa
     file that nothing replaced is refused at once, in one clear error."""
     import torch
 
-    from mhar_ablate.training import checkpoint
+    from mhar_ablate.model import weights as checkpoint
 
     path = tmp_path / "last.ckpt"
     torch.save({"state_dict": {"w": torch.zeros(3)}, "global_step": 4}, path)

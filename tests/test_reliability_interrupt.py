@@ -124,7 +124,8 @@ def test_run_killed_between_its_last_checkpoint_and_its_result_completes_on_resu
     run = _only_run(out)
     assert not (run / "result.json").exists() and (run / "checkpoints" / "last.ckpt").exists()
     # A completed run's last checkpoint is its end: weights and the run's record, no optimiser state.
-    from mhar_ablate.training.checkpoint import read_checkpoint, record_of
+    from mhar_ablate.model.weights import read_checkpoint
+    from mhar_ablate.training.checkpoint import record_of
 
     state = read_checkpoint(run / "checkpoints" / "last.ckpt")
     assert "optimizer_states" not in state and record_of(state)["status"] == "completed"
@@ -251,7 +252,7 @@ def test_ctrl_c_twice_keeps_a_whole_checkpoint_and_exits_130(tmp_path, capsys, m
     """Lightning answered the second KeyboardInterrupt with sys.exit(1): nothing printed, and the
     checkpoint the first Ctrl-C was writing was lost."""
     from mhar_ablate.cli import main
-    from mhar_ablate.training.run import read_checkpoint
+    from mhar_ablate.model.weights import read_checkpoint
 
     out = tmp_path / "out"
     state = _signal_during(monkeypatch, 5, second)

@@ -12,7 +12,7 @@ import torch
 from mhar_ablate.cli import main
 from mhar_ablate.config import load_yaml
 from mhar_ablate.errors import UsageError
-from mhar_ablate.study import redact
+from mhar_ablate.redaction import redact
 
 from reliability_helpers import FAST
 
@@ -58,16 +58,17 @@ def test_storage_passwords_are_redacted():
 
 
 def test_study_log_never_shows_the_password(tmp_path, capsys, monkeypatch):
-    import mhar_ablate.study as study_mod
+    from mhar_ablate.sweep import catalog, driver
 
     seen: list[str] = []
-    real_open = study_mod.open_storage
+    real_open = catalog.open_storage
 
     def sqlite_instead(url, create, **options):  # a password-bearing URL, served by a local SQLite file
         seen.append(url)
         return real_open(f"sqlite:///{tmp_path / 'out' / 'studies.db'}", create)
 
-    monkeypatch.setattr(study_mod, "open_storage", sqlite_instead)
+    for module in (catalog, driver):  # the driver holds its own name for it; the workers import it from catalog
+        monkeypatch.setattr(module, "open_storage", sqlite_instead)
     from reliability_helpers import write_study
 
     url = "postgresql://carol:topsecret@127.0.0.1:5432/studies"

@@ -39,7 +39,7 @@ def finish(proc: subprocess.Popen) -> tuple[int, str]:
 def load(url: str, key: str = "pair-steps"):
     import optuna
 
-    from mhar_ablate.study import open_storage
+    from mhar_ablate.sweep.catalog import open_storage
 
     return optuna.load_study(study_name=key, storage=open_storage(url, create=False))
 
@@ -62,8 +62,8 @@ def check_grid_once(study, points: int = 4) -> dict[str, list]:
 def tb_writers(folder: Path) -> dict[str, int]:
     """Per run folder, how many processes wrote TensorBoard events into it (the file names end in
     HOST.PID.N): a grid point trained twice at once shows two."""
-    return {p.name: len({f.name.split(".")[-2] for f in (p / "tb").glob("events.out.tfevents.*")})
-            for p in folder.iterdir() if (p / "tb").is_dir()}
+    return {p.name: len({f.name.split(".")[-2] for f in p.glob("events.out.tfevents.*")})
+            for p in folder.iterdir() if any(p.glob("events.out.tfevents.*"))}
 
 
 def wait_for_trial_mid_way(folder: Path, procs: list[subprocess.Popen], timeout: float = 120) -> Path:
@@ -219,7 +219,7 @@ def test_ddp_with_two_cpu_processes_stops_every_rank_on_the_same_step(tmp_path):
 
 
 def test_workers_must_fit_the_machine_and_wallclock_trials_never_share():
-    from mhar_ablate.workers import plan
+    from mhar_ablate.sweep.workers import plan
 
     slots = plan(2, 1, 1, "wallclock", gpus=[], cores=[0, 1, 2, 3])
     assert [s.cores for s in slots] == [(0, 1), (2, 3)] and not any(s.shared for s in slots)
@@ -253,7 +253,8 @@ def test_bad_scale_out_options_are_one_line_and_exit_2(tmp_path, capsys, args, n
 def test_a_study_that_shared_a_device_marks_its_time_and_throughput_columns():
     import optuna
 
-    from mhar_ablate.export import SHARED_NOTE, build_table, render
+    from mhar_ablate.reporting.table import SHARED_NOTE, build_table
+    from mhar_ablate.reporting.render import render
 
     study = optuna.create_study(direction="minimize")
     for k, v in {"study": "pair", "budget": "steps", "arms": ["baseline", "mhar-h2"], "seeds": 1, "baseline": "baseline",
@@ -274,7 +275,7 @@ def test_a_study_that_shared_a_device_marks_its_time_and_throughput_columns():
 
 
 def test_storage_urls_name_psycopg_and_are_recorded_without_password():
-    from mhar_ablate import storage as st
+    from mhar_ablate.sweep import storage as st
 
     assert st.driver_url("postgresql://bob:pw@db:5432/s") == "postgresql+psycopg://bob:pw@db:5432/s"
     assert st.driver_url("postgresql+psycopg2://bob@db/s") == "postgresql+psycopg2://bob@db/s"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mhar_ablate.kernels import sinkhorn as kernel
-from mhar_ablate.model.residual import mhc
+from mhar_ablate.variants import mhc
 
 TOL = 1e-5  # relative L2 error; measured <= 3e-7 here
 

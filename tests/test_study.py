@@ -11,8 +11,11 @@ import pytest
 
 from mhar_ablate.cli import main
 from mhar_ablate.errors import UsageError
-from mhar_ablate.export import build_table, render
-from mhar_ablate.study import StudyDefinition, StudyRun, load_studies, run_study
+from mhar_ablate.reporting.table import build_table
+from mhar_ablate.reporting.render import render
+from mhar_ablate.sweep.definition import StudyDefinition, StudyRun
+from mhar_ablate.sweep.catalog import load_studies
+from mhar_ablate.sweep.driver import run_study
 from mhar_ablate.training.callbacks import StopRequest
 
 # A final evaluation of 8 sequences: the tiny preset's default 512 took about 1.3 s of a run on the CPU.
@@ -174,17 +177,17 @@ class FakeTrial:
 
 
 def test_pruning_reports_at_steps_or_training_seconds():
-    from mhar_ablate.study import _pruning_reporter
+    from mhar_ablate.sweep.trials import pruning_reporter
 
     t = FakeTrial(prune_after=3)
-    report = _pruning_reporter(t, "steps")
+    report = pruning_reporter(t, "steps")
     assert report(0, 0.0, 5.0) is False  # the evaluation before training is not a result
     assert report(10, 1.5, 4.0) is False and report(20, 3.1, 3.5) is False
     assert report(30, 4.6, 3.2) is True
     assert [s for _, s in t.reports] == [10, 20, 30]
 
     t = FakeTrial(prune_after=99)
-    report = _pruning_reporter(t, "wallclock")
+    report = pruning_reporter(t, "wallclock")
     report(10, 1.4, 4.0); report(12, 1.9, 3.9); report(30, 7.2, 3.0)
     assert [s for _, s in t.reports] == [1, 7]  # whole training seconds, one report per second
 

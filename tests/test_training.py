@@ -80,8 +80,8 @@ def test_wallclock_run_excludes_validation_time_and_decays_fully(tmp_path, monke
     curve = r["curve"]
     assert curve[0]["step"] == 0 and curve[-1]["seconds"] >= 3.0
     assert [p["seconds"] for p in curve] == sorted(p["seconds"] for p in curve)
-    scalars = _scalars(tmp_path / "run" / "tb")
-    assert scalars["train/lr"][-1] == pytest.approx(cfg.optim.lr * cfg.optim.min_lr_ratio, rel=0.05)
+    scalars = _scalars(tmp_path / "run")
+    assert scalars["optim/lr"][-1] == pytest.approx(cfg.optim.lr * cfg.optim.min_lr_ratio, rel=0.05)
 
 
 def _scalars(logdir: Path) -> dict[str, list[float]]:
@@ -91,24 +91,25 @@ def _scalars(logdir: Path) -> dict[str, list[float]]:
     acc.Reload()
     out = {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
     out["_images"] = acc.Tags()["images"]
-    out["_per_hour_walltimes"] = [e.wall_time for e in acc.Scalars("val/loss_per_hour")]
-    out["_per_hour_steps"] = [e.step for e in acc.Scalars("val/loss_per_hour")]
+    out["_val_walltimes"] = [e.wall_time for e in acc.Scalars("loss/val")]
+    out["_val_steps_seconds"] = [e.step for e in acc.Scalars("loss/val_vs_train_seconds")]
     return out
 
 
 def test_tensorboard_has_loss_per_step_per_hour_and_heatmap(tmp_path):
     cfg = cfg_for(tmp_path, train__steps=12, residual__kind="mhar", residual__heads=4, train__heatmap_every=2)
     r = train_run(cfg, tmp_path / "run", tmp_path / "cache", log=lambda s: None)
-    s = _scalars(tmp_path / "run" / "tb")
-    for tag in ("train/loss", "val/loss", "val/loss_per_hour", "train/loss_per_hour", "train/lr", "perf/tokens_per_s"):
+    s = _scalars(tmp_path / "run")
+    for tag in ("loss/train", "loss/val", "loss/val_vs_train_seconds", "loss/train_smoothed_vs_train_seconds",
+                "optim/lr", "perf/tokens_per_s", "time/train_seconds"):
         assert tag in s, tag
-    assert len(s["val/loss"]) == len(r["curve"]) == len(s["val/loss_per_hour"])
-    # the per-hour series is laid out on the training clock: wall times offset by training seconds
-    walls = s["_per_hour_walltimes"]
+    assert len(s["loss/val"]) == len(r["curve"]) == len(s["loss/val_vs_train_seconds"])
+    # every series is laid out on the training clock too: wall times offset by training seconds (Relative axis)
+    walls = s["_val_walltimes"]
     secs = [p["seconds"] for p in r["curve"]]
     assert [w - walls[0] for w in walls] == pytest.approx([x - secs[0] for x in secs], abs=1e-3)
     assert "routing/depth_weights" in s["_images"]
-    assert "hparams/final_val_loss" in s  # the HPARAMS view gets the run's final metrics
+    assert "result/final_val_loss" in s  # the HPARAMS view gets the run's final metrics
     assert (tmp_path / "run" / "routing.png").stat().st_size > 1000
     assert len(r["routing_weights"]) == 2 * cfg.model.n_layers + 1
 

@@ -19,9 +19,10 @@ import numpy as np
 from tqdm import tqdm
 
 from ..config import DataConfig
+from ..console import bars_enabled
 from ..errors import UsageError
-from .cache import (CACHE_FORMAT, HashingWriter, cache_root, digest, ensure_dir, exclusive, manifest_path,
-                    read_artifact, write_artifact)
+from .cache import CACHE_FORMAT, HashingWriter, cache_root, digest, ensure_dir, exclusive, manifest_path, read_artifact, write_artifact
+from .packfile import unpack_tokens
 from .sources import Source, resolve_source
 from .tokenizer import Tokenizer, load_tokenizer, token_dtype
 
@@ -121,7 +122,7 @@ def _write_tokens(out: HashingWriter, source: Source, tokenizer: Tokenizer, max_
     limit = max_tokens or sys.maxsize
     tokens = documents = text_bytes = 0
     with tqdm(total=source.count_hint, desc=f"tokenising {source.name}", unit=" docs", delay=1.0,
-              file=sys.stderr, dynamic_ncols=True) as bar:
+              file=sys.stderr, dynamic_ncols=True, disable=not bars_enabled()) as bar:
         for batch in _batches(source.documents()):
             pieces = []
             for text, ids in zip(batch, tokenizer.encode_batch(batch), strict=True):
@@ -157,8 +158,6 @@ def _load_tokens(path: Path, source: Source, tokenizer: Tokenizer, max_tokens: i
             from_cache = manifest is not None
             if manifest is None:
                 if source.pack is not None:
-                    from .pack import unpack_tokens
-
                     fill = partial(unpack_tokens, pack=source.pack, max_tokens=max_tokens)
                 else:
                     fill = partial(_write_tokens, source=source, tokenizer=tokenizer, max_tokens=max_tokens)

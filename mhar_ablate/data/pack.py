@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import lzma
 import shutil
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,112 +23,8 @@ from tqdm import tqdm
 
 from ..errors import UsageError
 from ..io import write_json
-from .cache import HashingWriter, file_sha256
-
-PACK_MANIFEST = "mhar-corpus.json"
-TOKENS_FILE = "tokens.bin.xz"
-TOKENIZER_FILE = "tokenizer.json"
-PACK_FORMAT = 1
-XZ_PRESET = 6  # about 1.5x smaller than gzip on BPE ids; decompression (the GPU side) is fast at any preset
-CARRY_LIMIT = 64 << 20  # what one call may carry to the lent GPU machine, the working tree included
-CHUNK_TOKENS = 1 << 22
-
-
-@dataclass(frozen=True)
-class Pack:
-    path: Path
-    manifest: dict[str, Any]
-
-    @property
-    def tokenizer_kind(self) -> str:
-        return self.manifest["tokenizer"]["kind"]
-
-
-def _read_manifest(path: Path) -> dict[str, Any]:
-    try:
-        manifest = json.loads((path / PACK_MANIFEST).read_text())
-    except (OSError, ValueError) as e:
-        raise UsageError(f"data.source {path}: unreadable {PACK_MANIFEST} ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != PACK_FORMAT:
-        raise UsageError(f"data.source {path}: {PACK_MANIFEST} is not a corpus pack of format {PACK_FORMAT}")
-    for name in [TOKENS_FILE] + ([TOKENIZER_FILE] if manifest["tokenizer"]["kind"] == "bpe" else []):
-        if not (path / name).is_file():
-            raise UsageError(f"data.source {path}: the pack lacks {name}")
-    return manifest
-
-
-def _no_text() -> Any:
-    raise UsageError("a packed corpus holds tokens, not text")
-
-
-def packed_source(path: Path) -> Any:
-    from .sources import Source, _literal, _slug
-
-    manifest = _read_manifest(path)
-    origin = manifest["origin"]
-    return Source(
-        name=str(path),
-        slug=_slug(f"packed-{origin['source']}"),
-        identity={"kind": "packed", "tokens_sha256": manifest["tokens_sha256"], "tokenizer": manifest["tokenizer"]},
-        label_format=_literal(f"{origin['label']}, packed: first {manifest['tokens']:,} tokens") + " ({documents:,} documents)",
-        documents=_no_text,
-        size_hint=None,
-        count_hint=None,
-        version=origin["version"],
-        parts=tuple(origin.get("parts") or ()),
-        pack=Pack(path, manifest),
-    )
-
-
-def pack_tokenizer(pack: Pack, kind: str, vocab_size: int) -> Any:
-    """The pack's own tokenizer, after checking that the run asks for the one it was packed with."""
-    from .tokenizer import BpeTokenizer, ByteTokenizer
-
-    packed = pack.manifest["tokenizer"]
-    if kind != packed["kind"]:
-        raise UsageError(f"data.source {pack.path}: packed with data.tokenizer={packed['kind']}, "
-                         f"not {kind}; set data.tokenizer={packed['kind']}")
-    if kind == "byte":
-        return ByteTokenizer()
-    if vocab_size != packed["vocab_requested"]:
-        raise UsageError(f"data.source {pack.path}: packed with data.vocab_size={packed['vocab_requested']}, "
-                         f"not {vocab_size}")
-    import tokenizers
-
-    path = pack.path / TOKENIZER_FILE
-    sha = file_sha256(path)
-    if sha != packed["sha256"]:
-        raise UsageError(f"data.source {pack.path}: {TOKENIZER_FILE} does not match its recorded hash")
-    return BpeTokenizer(tokenizers.Tokenizer.from_file(str(path)), sha, path)
-
-
-def unpack_tokens(out: HashingWriter, pack: Pack, max_tokens: int | None) -> dict[str, Any]:
-    """Write the pack's tokens (at most ``max_tokens``) into the token cache; the manifest's fields."""
-    m = pack.manifest
-    dtype = np.dtype(m["dtype"])
-    limit = min(max_tokens or m["tokens"], m["tokens"]) * dtype.itemsize
-    check = hashlib.sha256()
-    written = 0
-    try:
-        with lzma.open(pack.path / TOKENS_FILE, "rb") as f, \
-                tqdm(total=m["tokens"] * dtype.itemsize, desc=f"unpacking {pack.path.name}", unit="B",
-                     unit_scale=True, delay=1.0, file=sys.stderr, dynamic_ncols=True) as bar:
-            while chunk := f.read(CHUNK_TOKENS * dtype.itemsize):
-                check.update(chunk)
-                keep = chunk[: max(0, limit - written)]
-                if keep:
-                    out.write(keep)
-                    written += len(keep)
-                bar.update(len(chunk))
-    except (lzma.LZMAError, EOFError) as e:
-        raise UsageError(f"data.source {pack.path}: {TOKENS_FILE} is damaged ({e})") from None
-    if check.hexdigest() != m["tokens_sha256"]:
-        raise UsageError(f"data.source {pack.path}: {TOKENS_FILE} does not match its recorded hash")
-    whole = written == m["tokens"] * dtype.itemsize
-    return {"dtype": dtype.name, "tokens": written // dtype.itemsize,
-            "documents": m["documents"] if whole else None, "text_bytes": m["text_bytes"] if whole else None,
-            "label": f"{m['origin']['label']}, packed: first {written // dtype.itemsize:,} tokens"}
-
+from .corpus import load_corpus
+from .packfile import CARRY_LIMIT, CHUNK_TOKENS, PACK_FORMAT, PACK_MANIFEST, TOKENIZER_FILE, TOKENS_FILE, XZ_PRESET
 
 def _cut(tokens: np.ndarray, n: int | None, eos: int) -> int:
     """The length of the longest prefix of at most ``n`` tokens that ends with a document's end."""
@@ -155,8 +49,6 @@ def _text_bytes(tokens: np.ndarray, tokenizer: Any) -> int:
 
 def pack_corpus(cfg: Any, cache_dir: Path, out: Path, tokens: int | None) -> dict[str, Any]:
     """Pack the first ``tokens`` tokens (all: None) of ``cfg``'s corpus into the folder ``out``."""
-    from .corpus import load_corpus
-
     if cfg.tokenizer not in ("byte", "bpe"):
         raise UsageError("pack: data.tokenizer must be byte or bpe (a tokenizer.json file can be carried as it is)")
     if out.exists() and any(out.iterdir()):

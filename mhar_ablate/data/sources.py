@@ -28,6 +28,7 @@ from ..config import DataConfig
 from ..errors import UsageError
 from ..io import raise_if_no_space
 from .cache import digest
+from .packfile import PACK_MANIFEST, Pack, read_manifest
 
 # Which `datasets` builder reads each supported file type; text builders give one document per file.
 BUILDERS = {".txt": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -69,8 +70,6 @@ def resolve_source(cfg: DataConfig, cache_root: Path) -> Source:
 
     if cfg.source in RECIPES:
         return recipe_source(RECIPES[cfg.source], cache_root)
-    from .pack import PACK_MANIFEST, packed_source
-
     if (Path(cfg.source) / PACK_MANIFEST).is_file():
         return packed_source(Path(cfg.source))
     if cfg.source.startswith("hub:"):
@@ -357,4 +356,25 @@ def recipe_source(recipe: Any, cache_root: Path) -> Source:
         count_hint=manifest["documents"],
         version=f"{recipe.name} recipe {manifest['recipe'][:12]}, text {manifest['sha256'][:12]}",
         parts=tuple({k: p[k] for k in ("package", "version", "licence")} for p in manifest["parts"]),
+    )
+
+
+def _no_text() -> Any:
+    raise UsageError("a packed corpus holds tokens, not text")
+
+
+def packed_source(path: Path) -> Any:
+    manifest = read_manifest(path)
+    origin = manifest["origin"]
+    return Source(
+        name=str(path),
+        slug=_slug(f"packed-{origin['source']}"),
+        identity={"kind": "packed", "tokens_sha256": manifest["tokens_sha256"], "tokenizer": manifest["tokenizer"]},
+        label_format=_literal(f"{origin['label']}, packed: first {manifest['tokens']:,} tokens") + " ({documents:,} documents)",
+        documents=_no_text,
+        size_hint=None,
+        count_hint=None,
+        version=origin["version"],
+        parts=tuple(origin.get("parts") or ()),
+        pack=Pack(path, manifest),
     )

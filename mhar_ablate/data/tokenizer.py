@@ -9,14 +9,16 @@ cached as its JSON file, verified like every other cache file.
 from __future__ import annotations
 
 import itertools
-import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
-from .cache import CACHE_FORMAT, HashingWriter, digest, exclusive, read_artifact, write_artifact
+from ..console import bars_enabled
+from ..errors import UsageError
+from .cache import CACHE_FORMAT, HashingWriter, digest, exclusive, file_sha256, read_artifact, write_artifact
+from .packfile import TOKENIZER_FILE, Pack
 from .sources import Source
 
 EOS = "<|endoftext|>"
@@ -108,12 +110,13 @@ def _train_bpe(out: HashingWriter, source: Source, vocab_size: int) -> dict[str,
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
+
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=sys.stderr.isatty())
+                                  show_progress=bars_enabled())
     tok.train_from_iterator(training_sample(source.documents(), source.size_hint), trainer)
     out.write(tok.to_str().encode("utf-8"))
     return {}
@@ -142,8 +145,6 @@ class FileTokenizer(BpeTokenizer):
     def __init__(self, path: Path):
         import tokenizers
 
-        from ..errors import UsageError
-        from .cache import file_sha256
 
         try:
             tok = tokenizers.Tokenizer.from_file(str(path))
@@ -159,11 +160,29 @@ class FileTokenizer(BpeTokenizer):
 
 def load_tokenizer(kind: str, vocab_size: int, source: Source | None, root: Path) -> Tokenizer:
     if source is not None and source.pack is not None and kind in ("byte", "bpe"):
-        from .pack import pack_tokenizer
-
         return pack_tokenizer(source.pack, kind, vocab_size)
     if kind == "byte":
         return ByteTokenizer()
     if kind == "bpe":
         return load_bpe(source, vocab_size, root)
     return FileTokenizer(Path(kind))
+
+
+def pack_tokenizer(pack: Pack, kind: str, vocab_size: int) -> Any:
+    """The pack's own tokenizer, after checking that the run asks for the one it was packed with."""
+    packed = pack.manifest["tokenizer"]
+    if kind != packed["kind"]:
+        raise UsageError(f"data.source {pack.path}: packed with data.tokenizer={packed['kind']}, "
+                         f"not {kind}; set data.tokenizer={packed['kind']}")
+    if kind == "byte":
+        return ByteTokenizer()
+    if vocab_size != packed["vocab_requested"]:
+        raise UsageError(f"data.source {pack.path}: packed with data.vocab_size={packed['vocab_requested']}, "
+                         f"not {vocab_size}")
+    import tokenizers
+
+    path = pack.path / TOKENIZER_FILE
+    sha = file_sha256(path)
+    if sha != packed["sha256"]:
+        raise UsageError(f"data.source {pack.path}: {TOKENIZER_FILE} does not match its recorded hash")
+    return BpeTokenizer(tokenizers.Tokenizer.from_file(str(path)), sha, path)

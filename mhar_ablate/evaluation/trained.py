@@ -64,7 +64,8 @@ def load_trained(run_dir: Path, cache_dir: Path, device: str | torch.device = "c
     ``cache_dir``: the output folder's cache, where a BPE run's tokenizer is kept."""
     from ..model import Decoder
     from ..model.weights import read_state_dict
-    from ..training.checkpoint import FINAL_WEIGHTS, read_checkpoint, record_of
+    from ..training.checkpoint import FINAL_WEIGHTS, record_of
+    from ..model.weights import read_checkpoint
     from ..training.run import finished_result, load_run_config
 
     cfg = load_run_config(run_dir)

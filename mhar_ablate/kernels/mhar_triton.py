@@ -207,7 +207,7 @@ def _mhar_bwd_kernel(
 def forward_config(d: int, num_heads: int, device: torch.device) -> dict:
     """Tokens per program and warps for the forward kernel.
 
-    Measured on the H200 at S = 49, 32k tokens (docs/kernel-notes.md): one token per program and 4 warps
+    Measured on the H200 at S = 49, 32k tokens (docs/benchmarks.md): one token per program and 4 warps
     (8 to 10 channels a thread) ran best at d = 1024 and 1280; 2 tokens and 8 warps, or a register cap,
     were slower. Narrow d packs several tokens into a program to keep about 1k channels per program.
     """

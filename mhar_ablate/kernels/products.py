@@ -1,4 +1,4 @@
-"""Helpers of the routing kernels' matrix-product forms (``history._history_fwd_dot_kernel``,
+"""Helpers of the routing kernels' matrix-product forms (``history.shared_dot``, ``history.shared_stacked``,
 ``column_group``), whose programs each take one routing head: the head's channel blocks, an fp32 operand
 as two parts of a 16-bit dtype, and the stacking of two [R, C] blocks as the halves of one product's rows.
 

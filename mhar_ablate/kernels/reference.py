@@ -89,3 +89,8 @@ def query_grads_float64(dzr: Tensor, sources: Tensor, num_heads: int, n_sites: i
         x = sources[j].double().view(N, num_heads, d // num_heads)
         out[first:] += torch.einsum("hsn,nhc->shc", part, x).reshape(S, d)
     return out
+
+
+# The floor of a column sum in Sinkhorn-Knopp (mHC's reference and its kernel): an all-zero column stays
+# finite.
+COLUMN_FLOOR = 1e-30

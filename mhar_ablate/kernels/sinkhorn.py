@@ -5,7 +5,7 @@ torch.compile (tens of thousands of nodes at 24 layers, and most of its compile 
 ``mhar_ablate::sinkhorn_fwd`` / ``sinkhorn_bwd`` (fake implementations and an autograd formula, as in
 ``mhar_triton``) each site is one opaque node forward and one backward.
 
-The math is ``model/residual/mhc.py``'s ``_Sinkhorn``, the reference and the CPU path, on (N, n, n)
+The math is ``variants/mhc.py``'s ``_Sinkhorn``, the reference and the CPU path, on (N, n, n)
 matrices m[i, j]: a softmax over each row (j), then columns (sums over i, clamped at ``COLUMN_FLOOR``),
 rows, ..., ending with columns: 2 x iters normalisations in all.
 
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..model.residual.mhc import COLUMN_FLOOR  # the reference's floor of a column sum
+from .reference import COLUMN_FLOOR  # the reference's floor of a column sum
 from .launch import launch
 
 __all__ = ["sinkhorn_triton", "sinkhorn_fwd", "sinkhorn_bwd", "COLUMN_FLOOR"]

@@ -1,4 +1,5 @@
-"""The decoder and its residual-stream variants."""
+"""The decoder (``transformer.py``), its FLOPs count (``flops.py``) and its weights in and out (``weights.py``);
+the residual-stream variants it routes through are in ``mhar_ablate/variants/``."""
 
 from .transformer import Decoder, KVCache, count_parameters, routing_overhead
 

@@ -9,7 +9,7 @@
 - ``12 · L · H · hd · T``: attention's scores and weighted sum over the T positions of the window, per
   layer 4 · H · hd · T forward and twice that backward, the PaLM appendix's convention (over all T
   keys: the causal mask's saving is not subtracted).
-- the residual variant's term: ``routing_flops`` beside each class in ``model/residual`` (MHAR: scoring
+- the residual variant's term: ``routing_flops`` beside each class in ``variants/`` (MHAR: scoring
   and mixing S sources per site, 12 · d · S; HC, mHC, DenseFormer, MUDDFormer: their mixes and weight
   projections), counted the same way.
 

@@ -1,4 +1,4 @@
-"""A Qwen3-style decoder whose residual stream is pluggable (see ``residual/``).
+"""A Qwen3-style decoder whose residual stream is pluggable (see ``mhar_ablate/variants/``).
 
 RMSNorm, rotary embeddings, grouped-query attention with per-head QK-norm through
 ``scaled_dot_product_attention``, a SwiGLU MLP and tied input/output embeddings (or a separate output
@@ -23,19 +23,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig, ResidualConfig
-from .residual import Residual, build_residual
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        # Normalise in fp32: under bf16 autocast the mean of squares loses too many bits.
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+from ..variants.base import Residual
+from ..variants import build_residual
+from ..norm import RMSNorm
 
 
 def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device | None = None) -> tuple[Tensor, Tensor]:

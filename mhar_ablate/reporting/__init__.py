@@ -1,1 +1,3 @@
-"""Reporting: routing heatmaps, study tables and plots."""
+"""Reporting: a study's ablation table as data (``table.py``) with its statistics (``statistics.py``,
+``to_target.py``), rendered as text (``render.py``) and plots (``plots.py``), the downstream-evaluation
+columns (``eval_columns.py``), and ``mhar-ablate export`` itself (``export.py``)."""

@@ -97,6 +97,10 @@ class CudaEventTimer:
         return start.elapsed_time(end) / 1e3
 
 
+EARLY_STEPS = 3  # timed steps after the warm-up whose length is compared with the median step (result's step_timing)
+SEGMENTS_KEPT = 2048  # per-step seconds of later segments kept for their median (thinned beyond)
+
+
 class TrainingClock:
     """Seconds spent training, measured without making the host wait for the device between read-outs.
 
@@ -105,6 +109,13 @@ class TrainingClock:
     an evaluation, a checkpoint, a stop. Whatever happens between segments (evaluation, checkpointing,
     logging, compilation) is outside the clock. Between read-outs ``estimate`` extrapolates the open
     segment from the seconds per step measured so far.
+
+    Warm-up: the first step a process trains (``warm`` False: a fresh run, and the first step after a
+    resume alike, for every arm) is timed on its own and kept off the clock (``warmup_seconds``,
+    ``warmup_steps``): one-time costs that the untimed ``TrainStep.prepare`` pass leaves (first-iteration
+    allocations and caches, a process's first trial) are no arm's training time. The next ``EARLY_STEPS``
+    steps are read one by one (``wants_read``: a few read-outs per run, never one per step) so that
+    ``timing`` can compare them with the median step.
     """
 
     def __init__(self, timer=None, elapsed: float = 0.0):
@@ -113,6 +124,12 @@ class TrainingClock:
         self.seconds_per_step: float | None = None
         self._start = None  # the open segment's first mark
         self.steps = 0  # steps in the open segment
+        self.warm = False  # this process has trained its warm-up step
+        self.warmup_seconds = 0.0
+        self.warmup_steps = 0
+        self._warmup_marks = None  # the warm-up step's (start, end) marks, until read
+        self.early: list[float] = []  # seconds of each of the first EARLY_STEPS timed steps
+        self.later: list[float] = []  # seconds per step of each later segment
 
     @property
     def free_readout(self) -> bool:
@@ -121,6 +138,18 @@ class TrainingClock:
     @property
     def running(self) -> bool:
         return self._start is not None
+
+    @property
+    def wants_read(self) -> bool:
+        """The warm-up step, or one of the early steps, waits to be read on its own."""
+        return self._warmup_marks is not None or (self.warm and len(self.early) < EARLY_STEPS and self.steps > 0)
+
+    def begin_warmup(self) -> None:
+        self._warmup_marks = (self.timer.mark(), None)
+
+    def end_warmup(self) -> None:
+        self._warmup_marks = (self._warmup_marks[0], self.timer.mark())
+        self.warm = True
 
     def begin_step(self) -> None:
         if self._start is None:
@@ -135,7 +164,12 @@ class TrainingClock:
 
     def read(self) -> tuple[float, int]:
         """Close the open segment: add its seconds (waiting for the device to finish it) and return them
-        with its step count."""
+        with its step count. A warm-up step waiting to be read is read too, into ``warmup_seconds``."""
+        if self._warmup_marks is not None and self._warmup_marks[1] is not None:
+            start, end = self._warmup_marks
+            self.warmup_seconds += self.timer.seconds(start, end)
+            self.warmup_steps += 1
+            self._warmup_marks = None
         if self._start is None:
             return 0.0, 0
         dt = self.timer.seconds(self._start, self.timer.mark())
@@ -143,5 +177,32 @@ class TrainingClock:
         self.elapsed += dt
         if steps:
             self.seconds_per_step = dt / steps
+            early = min(steps, EARLY_STEPS - len(self.early))
+            self.early.extend([dt / steps] * max(early, 0))
+            if steps > max(early, 0):
+                self.later.append(dt / steps)
+                if len(self.later) > SEGMENTS_KEPT:
+                    self.later = self.later[::2]
         self._start, self.steps = None, 0
         return dt, steps
+
+    def timing(self) -> dict[str, float | int | None]:
+        """The warm-up kept off the clock, and the early steps against the median later one."""
+        import statistics
+
+        early = statistics.fmean(self.early) if self.early else None
+        median = statistics.median(self.later) if self.later else None
+        return {"warmup_steps": self.warmup_steps, "warmup_seconds": self.warmup_seconds, "early_steps": len(self.early),
+                "early_step_seconds": early, "median_step_seconds": median,
+                "early_ratio": early / median if early is not None and median else None}
+
+    def state_dict(self) -> dict:
+        return {"elapsed": self.elapsed, "warmup_seconds": self.warmup_seconds, "warmup_steps": self.warmup_steps,
+                "early": list(self.early), "later": list(self.later)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A checkpoint's clock (one written before the warm-up was kept apart holds only ``elapsed``)."""
+        self.elapsed = float(state.get("elapsed", 0.0))
+        self.warmup_seconds = float(state.get("warmup_seconds", 0.0))
+        self.warmup_steps = int(state.get("warmup_steps", 0))
+        self.early, self.later = list(state.get("early", [])), list(state.get("later", []))

@@ -1,11 +1,6 @@
 """Callbacks that make a run a measurement: the budget (clock, schedule progress, evaluations, stopping,
-checkpoints), the TensorBoard series that a study compares, and a progress bar.
-
-TensorBoard conventions (the README lists them): ``*/loss`` tags use the optimiser step as their step;
-``*/loss_per_hour`` tags use whole training seconds as their step and are written with a wall time of
-(run origin + training seconds), so TensorBoard's "Relative" horizontal axis reads as training hours;
-``val/loss_per_gflop`` uses whole training GFLOPs (model/flops.py's count) as its step, which fits
-TensorBoard's integer steps at any model size.
+checkpoints), the series that a study compares (through the trainer's Lightning loggers; the tags, and
+which x-axis to pick in TensorBoard, are in loggers.py), and a progress bar.
 """
 
 from __future__ import annotations
@@ -21,13 +16,15 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import format_flops
+from ..console import bars_enabled, log_line
 from ..io import commit, raise_if_no_space
 from . import distributed
 from .budget import Budget, format_seconds
+from .loggers import GFLOPS, TOKENS, TRAIN_SECONDS
 from .module import LMModule
 from .stop import StopRequest
 
-EMA = 0.9  # smoothing of the train loss plotted per hour
+EMA = 0.9  # smoothing of loss/train_smoothed
 
 
 # Near a time budget's end the clock is read after every step, so that a run stops at the first step past
@@ -47,7 +44,7 @@ class BudgetCallback(L.Callback):
     def __init__(self, budget: Budget, eval_every: int, heatmap_every: int, val_batches: Callable[[], Iterable],
                  checkpoint: Path, tokens_per_step: int, flops_per_token: float,
                  on_eval: Callable[[int, float, float], bool] | None = None, stop: StopRequest | None = None,
-                 log: Callable[[str], None] | None = print, title: str = "", checkpoint_every: float = 0.0,
+                 log: Callable[[str], None] | None = log_line, title: str = "", checkpoint_every: float = 0.0,
                  log_every: int = 20, final_batches: Callable[[], Iterable] | None = None, seq_len: int = 0):
         self.budget, self.eval_every, self.heatmap_every = budget, eval_every, heatmap_every
         self.val_batches, self.checkpoint = val_batches, checkpoint
@@ -86,6 +83,9 @@ class BudgetCallback(L.Callback):
     # ------------------------------------------------------------------ hooks
     def on_train_start(self, trainer: L.Trainer, module: LMModule) -> None:
         self._last_read = trainer.global_step
+        for logger in trainer.loggers:  # the origin of the events' wall times (restored on a resume by now)
+            if hasattr(logger, "origin"):
+                logger.origin = self.origin
         if self.curve and self.budget.exhausted(trainer.global_step, module.clock.elapsed):
             # Killed after the last checkpoint of a finished run: nothing is left to train.
             self._finish(trainer, module, "completed", "")
@@ -136,7 +136,8 @@ class BudgetCallback(L.Callback):
     def _read_due(self, step: int, module: LMModule) -> bool:
         """Whether to read the device after this step: decided on the host, from the clock's estimate."""
         clock = module.clock
-        if clock.free_readout or self.stop or step - self._last_read >= self.log_every or self._mark_due():
+        if (clock.free_readout or clock.wants_read or self.stop or step - self._last_read >= self.log_every
+                or self._mark_due()):
             return True
         estimate = clock.estimate()
         if self.budget.exhausted(step, estimate) or self.budget.progress(step, estimate) >= self.next_eval / self.eval_every:
@@ -163,7 +164,8 @@ class BudgetCallback(L.Callback):
             rate = n * self.tokens_per_step / dt
             keep = 0.9 ** n  # the same smoothing per step whether steps are read one by one or in groups
             self.throughput = rate if self.throughput is None else keep * self.throughput + (1 - keep) * rate
-        writer = _writer(trainer)
+        # Host floats only (one transfer above): logging adds no device synchronisation.
+        loggers = trainer.loggers
         for i, (step, lr, loss, norm) in enumerate(rows):
             if not (math.isfinite(loss) and math.isfinite(norm)):
                 what, value = ("training loss", loss) if not math.isfinite(loss) else ("gradient norm", norm)
@@ -173,21 +175,19 @@ class BudgetCallback(L.Callback):
                 return
             module.last_loss = loss
             self.ema = loss if self.ema is None else EMA * self.ema + (1 - EMA) * loss
-            if writer is not None:
-                seconds = start + dt * (i + 1) / max(n, 1)  # a segment's steps share its time evenly
-                writer.add_scalar("train/loss", loss, step + 1)
-                writer.add_scalar("train/loss_per_hour", self.ema, int(round(seconds)), walltime=self.origin + seconds)
-                writer.add_scalar("train/lr", lr, step + 1)  # the rate this step used
-                writer.add_scalar("train/grad_norm", norm, step + 1)
-        if writer is not None and n and self.throughput and (not module.clock.free_readout or trainer.global_step % 10 == 0):
-            step = trainer.global_step
-            writer.add_scalar("perf/tokens_per_s", self.throughput, step)
-            writer.add_scalar("perf/step_ms", 1000 * self.tokens_per_step / self.throughput, step)
+            seconds = start + dt * (i + 1) / max(n, 1)  # a segment's steps share its time evenly
+            # lr: the rate this step used
+            _log(loggers, {"loss/train": loss, "loss/train_smoothed": self.ema, "optim/lr": lr, "optim/grad_norm": norm,
+                           TRAIN_SECONDS: seconds}, step + 1)
+        if loggers and n and self.throughput and (not module.clock.free_readout or trainer.global_step % 10 == 0):
+            perf = {"perf/tokens_per_s": self.throughput, "perf/step_ms": 1000 * self.tokens_per_step / self.throughput,
+                    TRAIN_SECONDS: module.clock.elapsed}
             if module.device.type == "cuda":
-                writer.add_scalar("perf/peak_mem_gb", self.peak_mem_gb, step)
+                perf["perf/peak_mem_gb"] = self.peak_mem_gb
                 peak = _peak_flops(module.device)
                 if peak:
-                    writer.add_scalar("perf/mfu", self.throughput * self.flops_per_token / peak, step)
+                    perf["perf/mfu"] = self.throughput * self.flops_per_token / peak
+            _log(loggers, perf, trainer.global_step)
 
     def _say_once(self, line: str) -> None:
         if line not in _SAID and self.emit is not None:
@@ -204,15 +204,12 @@ class BudgetCallback(L.Callback):
         self.next_eval = math.floor(self.budget.progress(step, seconds) * self.eval_every) + 1
         point = {"step": step, "seconds": seconds, "tokens": step * self.tokens_per_step, "val_loss": loss}
         self.curve.append(point)
-        writer = _writer(trainer)
-        if writer is not None:
-            writer.add_scalar("val/loss", loss, step)
-            writer.add_scalar("val/loss_per_hour", loss, int(round(seconds)), walltime=self.origin + seconds)
-            writer.add_scalar("val/loss_per_token", loss, step * self.tokens_per_step)
-            writer.add_scalar("val/loss_per_gflop", loss, int(round(step * self.tokens_per_step * self.flops_per_token / 1e9)))
+        tokens = step * self.tokens_per_step
+        _log(trainer.loggers, {"loss/val": loss, TRAIN_SECONDS: seconds, TOKENS: tokens,
+                               GFLOPS: tokens * self.flops_per_token / 1e9}, step)
         final = self.budget.exhausted(step, seconds)
-        if writer is not None and (final or (len(self.curve) - 1) % self.heatmap_every == 0):
-            self._heatmap(writer, module, step)
+        if final or (len(self.curve) - 1) % self.heatmap_every == 0:
+            self._heatmap(trainer, module, step)
         left = self._remaining(step, seconds)
         if self.emit is not None:
             self.emit(f"{self.title}eval {len(self.curve)}: step {step}, {format_seconds(seconds)} trained, "
@@ -222,14 +219,18 @@ class BudgetCallback(L.Callback):
         elif prune:
             self._finish(trainer, module, "pruned", f"pruned at step {step}")
 
-    def _heatmap(self, writer, module: LMModule, step: int) -> None:
-        weights = module.model.residual.last_weights()
+    def _heatmap(self, trainer: L.Trainer, module: LMModule, step: int) -> None:
+        """The depth weights as an image, for loggers that take images (TensorBoard's)."""
+        images = [lg for lg in trainer.loggers if hasattr(lg, "add_image")]
+        weights = module.model.residual.last_weights() if images else None
         if weights is None:
             return
-        from ..reporting.heatmap import routing_image
+        from .heatmap import routing_image
 
         # rows: routing sites (last = final), columns: sources (0 = embedding), one panel per head
-        writer.add_image("routing/depth_weights", routing_image(weights), step, dataformats="HWC")
+        image = routing_image(weights)
+        for lg in images:
+            lg.add_image("routing/depth_weights", image, step)
 
     def _remaining(self, step: int, seconds: float) -> str:
         if self.budget.kind == "steps":
@@ -299,7 +300,7 @@ class ProgressBar(L.Callback):
         total = self.budget.steps if self.budget.counts_steps else round(self.budget.seconds)
         unit = "step" if self.budget.counts_steps else "s"
         self.bar = tqdm(total=total, desc=self.desc, unit=unit, leave=False, position=self.position,
-                        dynamic_ncols=True, file=sys.stderr, mininterval=0.5, disable=not sys.stderr.isatty())
+                        dynamic_ncols=True, file=sys.stderr, mininterval=0.5, disable=not bars_enabled())
         self._update(trainer, module)
 
     def on_train_batch_end(self, trainer, module: LMModule, outputs, batch, batch_idx) -> None:
@@ -332,9 +333,10 @@ class ProgressBar(L.Callback):
         self.on_train_end(trainer, module)
 
 
-def _writer(trainer: L.Trainer):
-    logger = trainer.logger
-    return getattr(logger, "experiment", None) if logger is not None else None
+def _log(loggers, metrics: dict[str, float], step: int) -> None:
+    """One row of host floats to every logger, through Lightning's logger API."""
+    for logger in loggers:
+        logger.log_metrics(metrics, step)
 
 
 def _peak_flops(device: torch.device) -> float | None:

@@ -13,8 +13,6 @@ other checkpoint holds everything a resumed run needs.
 
 from __future__ import annotations
 
-import os
-import pickle
 from pathlib import Path
 from typing import Any
 
@@ -31,41 +29,7 @@ RECORD = "mhar_ablate"
 # Settings that change how a run is executed or logged, not what it computes: a checkpoint carries
 # over between them.
 NOT_IDENTITY = ("train.threads", "train.checkpoint_every", "train.heatmap_every", "train.log_every", "train.compile",
-                "train.cuda_graph", "residual.backend")
-
-
-def _file_id(path: Path) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def read_checkpoint(path: Path, mmap: bool = False) -> dict[str, Any]:
-    """Load a checkpoint without unpickling arbitrary objects (``weights_only``): a tampered file is
-    refused, never executed. An unreadable one is a clear error, not a traceback. ``mmap`` maps the
-    tensors instead of reading them (a check of a multi-GB checkpoint then costs little).
-
-    A training run replaces its checkpoint by renaming a new file over it, and another process may read it
-    meanwhile (a study's workers check the checkpoints of the points still to train). ``torch.load`` with
-    ``mmap`` opens the file by name twice, so a replacement between the two reads one file's header against
-    the other's size: a read that fails while the file was replaced is tried again."""
-    for attempt in range(3):
-        before = _file_id(path)
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-            break
-        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, KeyError) as e:
-            if attempt < 2 and before is not None and _file_id(path) not in (None, before):
-                continue
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UsageError(f"checkpoint {path} cannot be loaded safely ({first[:160]}); "
-                             "delete it to restart this run from the beginning") from None
-    if not isinstance(state, dict) or not isinstance(state.get("state_dict"), dict) or "global_step" not in state:
-        raise UsageError(f"checkpoint {path} is not a checkpoint of an mhar-ablate run; "
-                         "delete it to restart this run from the beginning")
-    return state
+                "train.cuda_graph", "residual.backend", "train.logger")
 
 
 def identity(cfg: RunConfig) -> dict[str, Any]:
@@ -125,8 +89,48 @@ def checkpoint_bytes(params: int) -> int:
     return 12 * params + (1 << 20)
 
 
+def tokenizer_description(data: dict[str, Any]) -> dict[str, Any]:
+    """The tokenizer of a run's data section (config.yaml's ``data`` mapping), as a weights file's
+    metadata names it: bytes, the BPE trained on the run's corpus, or a tokenizer file (with its SHA-256)."""
+    kind = str(data.get("tokenizer", "byte"))
+    if kind == "byte":
+        return {"kind": "byte", "vocab_size": 256, "eos_id": 0}
+    if kind == "bpe":
+        return {"kind": "bpe", "vocab_size": data.get("vocab_size"), "trained_on": data.get("source")}
+    from ..data.cache import file_sha256
+
+    path = Path(kind)
+    return {"kind": "file", "path": kind, "sha256": file_sha256(path) if path.is_file() else None}
+
+
+def final_weights_metadata(run_dir: Path, vocab: int) -> dict[str, str] | None:
+    """``weights_metadata`` for ``run_dir``: its config.yaml as written, its tokenizer, its result's step
+    (None where the folder has no readable config.yaml: the weights are still kept)."""
+    import json
+
+    import yaml
+
+    from ..model.weights import weights_metadata
+
+    try:
+        text = (run_dir / "config.yaml").read_text()
+        data = yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    try:
+        step = json.loads((run_dir / "result.json").read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        step = None
+    section = data.get("data") if isinstance(data.get("data"), dict) else {}
+    return weights_metadata(text, vocab, tokenizer_description(section),
+                            step if isinstance(step, int) else None)
+
+
 def save_final_weights(run_dir: Path) -> Path | None:
-    """Write the decoder weights of ``run_dir``'s checkpoint to ``FINAL_WEIGHTS`` (atomically); None where
+    """Write the decoder weights of ``run_dir``'s checkpoint to ``FINAL_WEIGHTS`` (atomically), with the
+    run's config, vocabulary, tokenizer and step in its metadata (``final_weights_metadata``); None where
     the run has no checkpoint. The run's step is its ``result.json``'s, which is written before this."""
     from safetensors.torch import save_file
 
@@ -137,6 +141,8 @@ def save_final_weights(run_dir: Path) -> Path | None:
     if not ckpt.is_file():
         return None
     tmp = dest.with_name(f".{dest.name}.tmp")
-    save_file({k: v.contiguous() for k, v in read_state_dict(ckpt).items()}, str(tmp))
+    state = read_state_dict(ckpt)
+    meta = final_weights_metadata(run_dir, int(state["embed.weight"].shape[0])) if "embed.weight" in state else None
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp), metadata=meta)
     commit(tmp, dest)
     return dest

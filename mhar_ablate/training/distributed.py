@@ -123,7 +123,7 @@ def _pin(cores: tuple[int, ...] | None) -> None:
 def _rank_main(rank: int, env: dict[str, str], cores, fn: Callable, args: tuple, kwargs: dict, results) -> None:
     """Ranks 1..N-1: the stop decision comes from rank 0, so signals are ignored here; the rank dies
     with its parent (rank 0) so that nothing hangs in a collective after a kill."""
-    from ..workers import _NotATerminal, die_with_parent
+    from ..processes import NotATerminal, die_with_parent
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -131,7 +131,7 @@ def _rank_main(rank: int, env: dict[str, str], cores, fn: Callable, args: tuple,
     os.environ.update(env)
     os.environ.update({"LOCAL_RANK": str(rank), "RANK": str(rank)})
     _pin(cores)
-    sys.stderr = _NotATerminal(sys.stderr)
+    sys.stderr = NotATerminal(sys.stderr)
     result = fn(*args, **kwargs)
     results.put((rank, result["step"], result.get("weights_sum")))
 

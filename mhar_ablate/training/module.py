@@ -18,16 +18,34 @@ import lightning as L
 import torch
 from torch import Tensor
 
-from ..config import RunConfig
+from ..config import RunConfig, from_dict
 from ..model import Decoder
 from .budget import Budget, CudaEventTimer, HostTimer, TrainingClock
 from .schedule import lr_factor
 from .step import TrainStep, make_loss, make_optimizer
 
 
+_AUTOCAST = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 class LMModule(L.LightningModule):
-    def __init__(self, cfg: RunConfig, vocab_size: int, autocast: torch.dtype | None = None):
+    """``cfg``: the run's config, or its ``to_dict`` form (config.yaml's), which is what the module saves
+    as its hyperparameters: ``LMModule.load_from_checkpoint(path)`` rebuilds the module from a checkpoint
+    of this package alone. A checkpoint written before the module saved them needs the config passed in:
+    ``load_from_checkpoint(path, cfg=load_run_config(run_dir), vocab_size=V)`` (resuming a run reads its
+    folder's config.yaml either way)."""
+
+    def __init__(self, cfg: RunConfig | dict, vocab_size: int, autocast: torch.dtype | str | None = None):
         super().__init__()
+        if isinstance(cfg, dict):
+            cfg = from_dict(cfg)
+        if isinstance(autocast, str):
+            autocast = _AUTOCAST[autocast]
+        # Plain data only (a checkpoint loads without unpickling classes); logger=False: the run's logger
+        # gets the hyperparameters it compares arms by (training/loggers.py), not this nested form.
+        self.save_hyperparameters({"cfg": cfg.to_dict(), "vocab_size": int(vocab_size),
+                                   "autocast": None if autocast is None else str(autocast).removeprefix("torch.")},
+                                  logger=False)
         self.automatic_optimization = False
         self.cfg = cfg
         torch.manual_seed(cfg.seed)  # the initial weights are a function of the seed only
@@ -89,11 +107,12 @@ class LMModule(L.LightningModule):
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
         step = self.global_step
-        self.clock.begin_step()
+        warmup = not self.clock.warm  # the process's first step: timed apart, off the clock (budget.py)
+        self.clock.begin_warmup() if warmup else self.clock.begin_step()
         lr = self.lr_at(step, self.clock.estimate())
         self.step.set_lr(lr)
         self.pending.append((step, lr, self.step(*batch)))
-        self.clock.end_step()
+        self.clock.end_warmup() if warmup else self.clock.end_step()
         _count_optimizer_step(self.trainer)
 
     def take_pending(self) -> list[tuple[int, float, float, float]]:
@@ -122,12 +141,14 @@ class LMModule(L.LightningModule):
         return total / max(n, 1)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["training_clock"] = self.clock.elapsed
+        checkpoint["training_clock"] = self.clock.elapsed  # read by checkpoint.resume_point
+        checkpoint["training_clock_state"] = self.clock.state_dict()
         if self.checkpoint_record is not None:  # the run's record (run.CheckpointRecord)
             self.checkpoint_record(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.clock.elapsed = float(checkpoint.get("training_clock", 0.0))
+        self.clock.load_state_dict(checkpoint.get("training_clock_state")
+                                   or {"elapsed": checkpoint.get("training_clock", 0.0)})
 
     def configure_optimizers(self):
         return make_optimizer(self.model, self.cfg.optim, self.device)

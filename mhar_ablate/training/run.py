@@ -1,10 +1,13 @@
 """One training run, start to finish: a run folder (config, TensorBoard events, checkpoint, result),
 the data, the Lightning Trainer, resume from the folder's own checkpoint, and a result that studies read.
 
-A run folder holds ``config.yaml`` (the resolved configuration), ``tb/`` (TensorBoard), ``checkpoints/
+A run folder holds ``config.yaml`` (the resolved configuration), the logger's files (TensorBoard's events
+in the folder itself, so that TensorBoard names the run by its folder; ``metrics.csv`` for the csv logger;
+``wandb/``; loggers.py), ``checkpoints/
 last.ckpt`` (written atomically at every evaluation, every ``train.checkpoint_every`` seconds between
 them, on a stop and at the end), ``result.json`` (status, the (step, seconds, tokens, loss) curve,
 the final evaluation on the large held-out set with its standard error, throughput, memory, parameters,
+the warm-up step kept off the clock and the early steps against the median one (``step_timing``),
 the library versions) and ``routing.png`` (the final depth weights of a
 routed model).
 
@@ -30,20 +33,21 @@ import lightning as L
 import torch
 import yaml
 from lightning.fabric.plugins import TorchCheckpointIO
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ..config import RunConfig, from_dict
+from ..console import log_line
 from ..errors import UsageError
-from ..io import human_bytes, require_free_space, write_json, write_text
+from ..io import human_bytes, remove_stale_temporaries, require_free_space, write_json, write_text
 from ..model import routing_overhead
 from ..provenance import describe_differences, differences, environment
 from . import distributed
 from ..model.flops import training_flops_per_token
 from .budget import Budget, flops_budget_steps, format_seconds
 from .callbacks import BudgetCallback, ProgressBar
-from .checkpoint import (CHECKPOINT, RECORD, check_fits, checkpoint_bytes, identity, identity_differences,
-                         read_checkpoint, record_of, resume_point)
+from .loggers import log_final, make_logger, start_hparams
+from .checkpoint import CHECKPOINT, RECORD, check_fits, checkpoint_bytes, identity, identity_differences, record_of, resume_point
+from ..model.weights import read_checkpoint
 from .module import LMModule
 from .stop import StopNow, StopRequest
 
@@ -63,7 +67,7 @@ def quiet_lightning() -> None:
 
 def arm_label(cfg: RunConfig) -> str:
     """What an arm is, in a few characters: baseline, attnres, mhar-h8, mhar-h8-block:4, hc-n4, ...
-    (each kind's ``label`` in the registry, model/residual)."""
+    (each kind's ``label`` in the registry, variants/)."""
     from ..config import kind_class
 
     return kind_class(cfg.residual.kind).label(cfg.residual)
@@ -228,7 +232,7 @@ def _quiet_writer_threads(run_dir: Path):
 
 
 def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = False,
-              on_eval: Callable[[int, float, float], bool] | None = None, log: Callable[[str], None] = print,
+              on_eval: Callable[[int, float, float], bool] | None = None, log: Callable[[str], None] = log_line,
               title: str = "", stop: StopRequest | None = None, position: int = 0,
               log_evals: bool = True, allow_version_change: bool = False) -> dict[str, Any]:
     """Train ``cfg`` into ``run_dir`` (continuing what the folder holds if ``resume``); return the result dict.
@@ -280,7 +284,9 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
     # Under DDP a rank that raised alone would leave the others waiting: the folder is only watched on one process.
     record_cb = CheckpointRecord(cfg, budget_cb, run_dir, watch_folder=not ddp)
     bar = ProgressBar(budget, budget_cb, desc=title.strip(" :") or "train", position=position)
-    logger = TensorBoardLogger(str(run_dir), name="tb", version="", default_hp_metric=False) if lead else False
+    logger = make_logger(cfg, run_dir) if lead else False
+    if lead:
+        start_hparams(logger, cfg, arm_label(cfg))
     trainer = L.Trainer(
         # Precision and clipping are the step's own (autocast inside TrainStep, clipping before its update).
         # devices > 1: Lightning's DDP over the ranks that distributed.launch started (use_distributed_sampler
@@ -325,7 +331,7 @@ def train_run(cfg: RunConfig, run_dir: Path, cache_dir: Path, *, resume: bool = 
     if weights is not None:
         _save_heatmap(run_dir, weights, arm_label(cfg))
     if budget_cb.status == "completed":
-        _log_final_hparams(logger, cfg, result)
+        log_final(logger, cfg, arm_label(cfg), result)
     logger.finalize("success")
     with stop.deferred():  # a second Ctrl-C waits until the result is whole
         write_json(run_dir / "result.json", result)
@@ -358,6 +364,10 @@ def _prepare(cfg: RunConfig, run_dir: Path, cache_dir: Path, resume: bool, log, 
     if cfg.train.init and not (resume and ckpt.is_file()) and not Path(cfg.train.init).is_file():
         raise UsageError(f"train.init: no such file: {cfg.train.init}")
     state: dict[str, Any] | None = None
+    if lead:
+        # What writes killed before their rename left here, once no live process can be writing it (the
+        # rule: io.remove_stale_temporaries; a study's driver removes its runs' own at once, under its lock).
+        remove_stale_temporaries(run_dir)
     if resume:
         if lead:
             check_run_folder(run_dir, cfg)
@@ -404,10 +414,14 @@ def _prepare(cfg: RunConfig, run_dir: Path, cache_dir: Path, resume: bool, log, 
 
 def _run_mode(module: LMModule, budget_cb: BudgetCallback) -> dict[str, Any]:
     """Which step mode ran, and the seconds spent outside the clock."""
+    timing = module.clock.timing()
     return {"cuda_graph": bool(module.step and module.step.captured),
             "step_note": module.step.note if module.step else None,
             "prepare_seconds": module.prepare_seconds,  # compile, warm-up and capture
-            "eval_seconds": budget_cb.eval_seconds, "checkpoint_seconds": budget_cb.save_seconds}
+            "eval_seconds": budget_cb.eval_seconds, "checkpoint_seconds": budget_cb.save_seconds,
+            # the first step of each process, trained but off the clock (budget.TrainingClock)
+            "warmup_seconds": timing["warmup_seconds"], "warmup_steps": timing["warmup_steps"],
+            "step_timing": {k: timing[k] for k in ("early_steps", "early_step_seconds", "median_step_seconds", "early_ratio")}}
 
 
 def _result(status: str, reason: str, step: int, seconds: float, curve: list[dict[str, float]],
@@ -428,7 +442,8 @@ def _result(status: str, reason: str, step: int, seconds: float, curve: list[dic
         "flops": step * tokens_per_step * flops_per_token,
         "final_val_loss": curve[-1]["val_loss"] if curve else math.nan,
         "curve": curve,
-        "tokens_per_s": (step * tokens_per_step / seconds) if seconds else None,
+        # Over the timed steps: the warm-up steps trained off the clock.
+        "tokens_per_s": (max(step - int(run_mode.get("warmup_steps") or 0), 0) * tokens_per_step / seconds) if seconds else None,
         "peak_mem_gb": peak_mem_gb,
         "params": params,
         "baseline_params": base_params,
@@ -463,19 +478,12 @@ def _finish_from_record(run_dir: Path, record: dict[str, Any], step: int, second
                      final_eval=record.get("final_eval"), **info)
     if weights is not None:
         _save_heatmap(run_dir, weights, arm_label(cfg))
-    logger = TensorBoardLogger(str(run_dir), name="tb", version="", default_hp_metric=False)
-    _log_final_hparams(logger, cfg, result)
+    logger = make_logger(cfg, run_dir)
+    log_final(logger, cfg, arm_label(cfg), result)
     logger.finalize("success")
     with stop.deferred():
         write_json(run_dir / "result.json", result)
     return result
-
-
-def _log_final_hparams(logger: TensorBoardLogger, cfg: RunConfig, result: dict[str, Any]) -> None:
-    metrics = {"hparams/final_val_loss": result["final_val_loss"], "hparams/tokens_per_s": result["tokens_per_s"] or 0.0}
-    if result.get("final_eval"):
-        metrics["hparams/final_eval_loss"] = result["final_eval"]["loss"]
-    logger.log_hyperparams(_hparams(cfg), metrics)
 
 
 def _release(module: LMModule, trainer: L.Trainer) -> None:
@@ -500,13 +508,8 @@ def _backend_name(cfg: RunConfig) -> str:
     return kind_class(cfg.residual.kind).backend_name(cfg.residual, torch.cuda.is_available())
 
 
-def _hparams(cfg: RunConfig) -> dict[str, Any]:
-    flat = cfg.flat()
-    return {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in flat.items()}
-
-
 def _save_heatmap(run_dir: Path, weights, label: str) -> None:
     from ..io import write_bytes
-    from ..reporting.heatmap import routing_png
+    from .heatmap import routing_png
 
     write_bytes(run_dir / "routing.png", routing_png(weights, label))
