@@ -232,6 +232,30 @@ def test_pack_is_read_offline_with_its_tokenizer(tmp_path, fake_registry, monkey
         load_corpus(packed_cfg, tmp_path / "other-cache")
 
 
+def test_spread_pack_draws_from_every_part_of_the_corpus(tmp_path, fake_registry):
+    """A spread pack holds pieces from the whole stream (its first packages and its last), each closed by
+    the end-of-document id, in the seeded order; the same seed packs the same tokens."""
+    cfg = DataConfig(source="debian-en", tokenizer="bpe", vocab_size=300)
+    built = load_corpus(cfg, tmp_path / "cache")
+    stream = np.concatenate([built.train, built.val])
+    eos = built.tokenizer.eos_id
+    n = len(stream) // 2
+    m = pack_corpus(cfg, tmp_path / "cache", tmp_path / "a", tokens=n, spread=4, seed=1)
+    got = np.frombuffer(lzma.decompress((tmp_path / "a" / "tokens.bin.xz").read_bytes()), dtype=stream.dtype)
+    assert m["selection"] == {"kind": "spread", "segments": 4, "seed": 1} and m["tokens"] == len(got) <= n
+    pieces = np.split(got, np.flatnonzero(got == eos) + 1)[:-1]
+    each = n // 4 - 1
+    starts = [(i * len(stream)) // 4 for i in range(4)]
+    # Every part's first tokens are in the pack, so the corpus's last package is in it too.
+    for start in starts:
+        head = stream[start:start + min(8, each)]
+        assert any(np.array_equal(p[:len(head)], head) for p in pieces)
+    again = pack_corpus(cfg, tmp_path / "cache", tmp_path / "b", tokens=n, spread=4, seed=1)
+    assert again["tokens_sha256"] == m["tokens_sha256"]
+    with pytest.raises(UsageError, match="too few for --spread"):
+        pack_corpus(cfg, tmp_path / "cache", tmp_path / "c", tokens=8, spread=8)
+
+
 def test_pack_command_errors(tmp_path, capsys, fake_registry):
     assert pack_main([str(tmp_path / "p"), "--tokens", "lots", "--cache", str(tmp_path / "c")]) == 2
     assert capsys.readouterr().err == "error: --tokens: not a count: 'lots' (e.g. 24000000 or 24M)\n"

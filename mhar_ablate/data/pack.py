@@ -47,8 +47,29 @@ def _text_bytes(tokens: np.ndarray, tokenizer: Any) -> int:
     return total
 
 
-def pack_corpus(cfg: Any, cache_dir: Path, out: Path, tokens: int | None) -> dict[str, Any]:
-    """Pack the first ``tokens`` tokens (all: None) of ``cfg``'s corpus into the folder ``out``."""
+def _spread(stream: np.ndarray, n: int, segments: int, eos: int, seed: int) -> np.ndarray:
+    """``n`` tokens drawn from the whole stream: the first ``n // segments`` of each of ``segments`` equal
+    parts, each piece ended by ``eos``, the pieces in a seeded random order. The first N tokens of a corpus
+    built package by package hold its first packages only; a spread pack holds every package in its share,
+    and its held-out tail is a mixture like its training part."""
+    if segments < 1:
+        raise UsageError(f"--spread must be at least 1, got {segments}")
+    each = n // segments - 1  # room for the end-of-document id closing each piece
+    if each < 1:
+        raise UsageError(f"--tokens {n:,} is too few for --spread {segments}: ask for more tokens or fewer parts")
+    starts = (np.arange(segments, dtype=np.int64) * len(stream)) // segments
+    pieces = []
+    for start in starts:
+        piece = np.asarray(stream[start:start + each])
+        pieces.append(piece if piece[-1] == eos else np.append(piece, np.array([eos], dtype=stream.dtype)))
+    order = np.random.default_rng(seed).permutation(segments)
+    return np.concatenate([pieces[i] for i in order])
+
+
+def pack_corpus(cfg: Any, cache_dir: Path, out: Path, tokens: int | None, spread: int = 0,
+                seed: int = 0) -> dict[str, Any]:
+    """Pack the first ``tokens`` tokens (all: None) of ``cfg``'s corpus into the folder ``out``; with
+    ``spread`` > 0, that many pieces spread over the whole corpus instead (``_spread``)."""
     if cfg.tokenizer not in ("byte", "bpe"):
         raise UsageError("pack: data.tokenizer must be byte or bpe (a tokenizer.json file can be carried as it is)")
     if out.exists() and any(out.iterdir()):
@@ -56,8 +77,13 @@ def pack_corpus(cfg: Any, cache_dir: Path, out: Path, tokens: int | None) -> dic
     corpus = load_corpus(cfg, cache_dir)
     info = corpus.info
     stream = np.memmap(info.path, dtype=corpus.train.dtype, mode="r")
-    n = _cut(stream, tokens, corpus.tokenizer.eos_id)
-    subset = np.ascontiguousarray(stream[:n])
+    if spread and tokens is not None and tokens < len(stream):
+        subset = _spread(stream, tokens, spread, corpus.tokenizer.eos_id, seed)
+        selection = {"kind": "spread", "segments": spread, "seed": seed}
+    else:
+        subset = np.ascontiguousarray(stream[:_cut(stream, tokens, corpus.tokenizer.eos_id)])
+        selection = {"kind": "first"}
+    n = len(subset)
     out.mkdir(parents=True, exist_ok=True)
     raw = subset.tobytes()
     with lzma.open(out / TOKENS_FILE, "wb", preset=XZ_PRESET) as f:
@@ -75,6 +101,7 @@ def pack_corpus(cfg: Any, cache_dir: Path, out: Path, tokens: int | None) -> dic
                    "parts": prov["source_parts"], "label": info.label, "tokens": info.tokens,
                    "documents": info.documents, "text_bytes": info.text_bytes},
         "tokens": n,
+        "selection": selection,
         "documents": int(np.count_nonzero(subset == tok.eos_id)),
         "text_bytes": _text_bytes(subset, tok),
         "dtype": subset.dtype.name,
@@ -107,13 +134,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer", default="bpe", help="byte | bpe (default bpe)")
     ap.add_argument("--vocab-size", type=int, default=DataConfig.vocab_size)
     ap.add_argument("--tokens", default=None, help="pack only the first N tokens (e.g. 24M); default all")
+    ap.add_argument("--spread", type=int, default=0, metavar="PARTS",
+                    help="take the tokens as PARTS pieces spread over the whole corpus, in a seeded random order "
+                         "(default 0: the first N tokens, cut at a document's end)")
+    ap.add_argument("--seed", type=int, default=0, help="the order of --spread's pieces (default 0)")
     ap.add_argument("--cache", type=Path, default=Path("outputs/cache"),
                     help="the data cache (default outputs/cache; $MHAR_ABLATE_CACHE wins)")
     args = ap.parse_args(argv)
     try:
         cfg = DataConfig(source=args.source, tokenizer=args.tokenizer, vocab_size=args.vocab_size)
         cfg.validate()
-        m = pack_corpus(cfg, args.cache, args.out, _count(args.tokens) if args.tokens else None)
+        m = pack_corpus(cfg, args.cache, args.out, _count(args.tokens) if args.tokens else None,
+                        spread=args.spread, seed=args.seed)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
