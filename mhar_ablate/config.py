@@ -193,7 +193,9 @@ def kind_class(kind: str) -> Any:
 
 @dataclass
 class DataConfig:
-    source: str = "stdlib"  # stdlib | a path to a file or folder of .txt/.jsonl/.json/.parquet | hub:NAME
+    # stdlib | debian-en (docs/corpora.md) | a path to a file or folder of .txt/.jsonl/.json/.parquet, or to a
+    # packed corpus folder | hub:NAME
+    source: str = "stdlib"
     text_field: str = "text"  # the column holding text in JSON lines / Parquet / hub datasets
     tokenizer: str = "byte"  # byte | bpe | a tokenizer.json file (a Hugging Face `tokenizers` file)
     vocab_size: int = ranged(4096, 260, 1_000_000)  # for bpe
@@ -211,7 +213,7 @@ class DataConfig:
                 raise UsageError(f"data.tokenizer must be byte, bpe or a tokenizer.json file, got {self.tokenizer!r}")
             if not Path(self.tokenizer).is_file():
                 raise UsageError(f"data.tokenizer: no such file: {self.tokenizer}")
-        if self.source not in ("stdlib",) and not self.source.startswith("hub:") and not Path(self.source).exists():
+        if self.source not in ("stdlib", "debian-en") and not self.source.startswith("hub:") and not Path(self.source).exists():
             raise UsageError(f"data.source: no such file or folder: {self.source}")
 
 

@@ -22,6 +22,7 @@ from ..config import DataConfig
 from ..console import bars_enabled
 from ..errors import UsageError
 from .cache import CACHE_FORMAT, HashingWriter, cache_root, digest, ensure_dir, exclusive, manifest_path, read_artifact, write_artifact
+from .packfile import unpack_tokens
 from .sources import Source, resolve_source
 from .tokenizer import Tokenizer, load_tokenizer, token_dtype
 
@@ -41,8 +42,8 @@ class CorpusInfo:
     """What was loaded, for the CLI, the run's result and the README."""
 
     label: str  # e.g. "stdlib corpus (Python 3.11.7 standard library, 1,786 files)"
-    documents: int
-    text_bytes: int  # UTF-8 bytes of the documents' text
+    documents: int  # -1: unknown (a packed corpus cut by data.max_tokens)
+    text_bytes: int  # UTF-8 bytes of the documents' text; -1: unknown, as for documents
     tokens: int  # the whole stream, end-of-document ids included
     train_tokens: int
     val_tokens: int  # the held-out tail
@@ -50,6 +51,22 @@ class CorpusInfo:
     vocab_size: int
     path: Path  # the cached token file
     from_cache: bool  # False when this call tokenised the source
+    source: str = ""  # data.source's corpus (for a pack: the corpus it was packed from)
+    source_sha256: str = ""  # hash of the source's identity: equal hashes, equal text
+    source_version: str = ""  # which release of the text (a Python, a recipe and its text's hash)
+    source_parts: tuple[dict[str, str], ...] = ()  # registry packages it was built from, with versions
+    packed: dict[str, Any] | None = None  # for a packed corpus: its folder, token count and hash
+    tokenizer_sha256: str | None = None  # the BPE or tokenizer file's hash; None for bytes
+    token_sha256: str = ""  # the cached token stream's hash
+
+    def provenance(self) -> dict[str, Any]:
+        """What the run's result records of its data: which corpus, which release, which tokenizer."""
+        return {"source": self.source, "source_sha256": self.source_sha256, "source_version": self.source_version,
+                "source_parts": [dict(p) for p in self.source_parts], "packed": self.packed, "label": self.label,
+                "documents": self.documents, "text_bytes": self.text_bytes, "tokens": self.tokens,
+                "train_tokens": self.train_tokens, "val_tokens": self.val_tokens,
+                "tokenizer": {"kind": self.tokenizer, "vocab_size": self.vocab_size, "sha256": self.tokenizer_sha256},
+                "token_file_sha256": self.token_sha256}
 
     def describe(self) -> str:
         return (f"{self.label}: {human_count(self.tokens)} tokens ({human_count(self.train_tokens)} train, "
@@ -140,8 +157,11 @@ def _load_tokens(path: Path, source: Source, tokenizer: Tokenizer, max_tokens: i
             manifest = read_artifact(path)
             from_cache = manifest is not None
             if manifest is None:
-                manifest = write_artifact(path, partial(_write_tokens, source=source, tokenizer=tokenizer,
-                                                        max_tokens=max_tokens))
+                if source.pack is not None:
+                    fill = partial(unpack_tokens, pack=source.pack, max_tokens=max_tokens)
+                else:
+                    fill = partial(_write_tokens, source=source, tokenizer=tokenizer, max_tokens=max_tokens)
+                manifest = write_artifact(path, fill)
     tokens = np.memmap(path, dtype=np.dtype(manifest["dtype"]), mode="r", shape=(manifest["tokens"],))
     loaded = _Loaded(_stamp(path), tokens, manifest)
     _LOADED[path] = loaded
@@ -172,8 +192,8 @@ def load_corpus(cfg: DataConfig, cache_dir: str | Path) -> Corpus:
     split = len(tokens) - int(len(tokens) * cfg.val_fraction)
     info = CorpusInfo(
         label=loaded.manifest["label"],
-        documents=loaded.manifest["documents"],
-        text_bytes=loaded.manifest["text_bytes"],
+        documents=loaded.manifest["documents"] if loaded.manifest["documents"] is not None else -1,
+        text_bytes=loaded.manifest["text_bytes"] if loaded.manifest["text_bytes"] is not None else -1,
         tokens=len(tokens),
         train_tokens=split,
         val_tokens=len(tokens) - split,
@@ -181,8 +201,22 @@ def load_corpus(cfg: DataConfig, cache_dir: str | Path) -> Corpus:
         vocab_size=tokenizer.vocab_size,
         path=path,
         from_cache=from_cache,
+        **_provenance(source),
+        tokenizer_sha256=getattr(tokenizer, "sha256", None),
+        token_sha256=loaded.manifest["sha256"],
     )
     return Corpus(tokens[:split], tokens[split:], tokenizer, info)
+
+
+def _provenance(source: Source) -> dict[str, Any]:
+    if source.pack is None:
+        return {"source": source.name, "source_sha256": source.sha256, "source_version": source.version,
+                "source_parts": source.parts}
+    m = source.pack.manifest
+    return {"source": m["origin"]["source"], "source_sha256": m["origin"]["sha256"],
+            "source_version": source.version, "source_parts": source.parts,
+            "packed": {"path": str(source.pack.path), "tokens": m["tokens"], "tokens_sha256": m["tokens_sha256"],
+                       "of_tokens": m["origin"]["tokens"]}}
 
 
 def fitting_windows(cfg: DataConfig, corpus: Corpus, seq_len: int, count: int) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""Where text comes from: the Python standard library, local files read with ``datasets``, or the Hub.
+"""Where text comes from: the Python standard library, a corpus built from registry packages (debian-en),
+local files read with ``datasets``, a packed corpus folder, or the Hub.
 
 A ``Source`` says what a corpus is (its identity, which keys the cache) without reading it, and yields
 its documents, in a fixed order, only when a cache has to be built. ``datasets`` is imported only then,
@@ -27,6 +28,7 @@ from ..config import DataConfig
 from ..errors import UsageError
 from ..io import raise_if_no_space
 from .cache import digest
+from .packfile import PACK_MANIFEST, Pack, read_manifest
 
 # Which `datasets` builder reads each supported file type; text builders give one document per file.
 BUILDERS = {".txt": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -47,6 +49,14 @@ class Source:
     documents: Callable[[], Iterator[str]]  # non-empty documents in a fixed order
     size_hint: int | None  # bytes of input, to spread the tokenizer's training sample; None: unknown
     count_hint: int | None  # number of inputs (files), for the progress bar; None: unknown
+    version: str = ""  # which release of the text, for the run's provenance (a Python, a package set)
+    parts: tuple[dict[str, str], ...] = ()  # registry packages ({package, version, licence}) it was built from
+    pack: Any = None  # a packed corpus (pack.Pack) whose tokens and tokenizer are read instead of text
+
+    @property
+    def sha256(self) -> str:
+        """A hash of the source's identity: equal hashes, equal text."""
+        return digest(self.identity)
 
     def label(self, documents: int) -> str:
         return self.label_format.format(documents=documents)
@@ -56,6 +66,12 @@ def resolve_source(cfg: DataConfig, cache_root: Path) -> Source:
     """The source ``cfg.source`` names; ``cache_root`` is skipped when walking a folder that holds it."""
     if cfg.source == "stdlib":
         return stdlib_source()
+    from .debian import RECIPES
+
+    if cfg.source in RECIPES:
+        return recipe_source(RECIPES[cfg.source], cache_root)
+    if (Path(cfg.source) / PACK_MANIFEST).is_file():
+        return packed_source(Path(cfg.source))
     if cfg.source.startswith("hub:"):
         return hub_source(cfg.source[len("hub:"):], cfg.text_field, cache_root / "datasets")
     return local_source(Path(cfg.source), cfg.text_field, cache_root / "datasets", exclude=cache_root)
@@ -124,6 +140,7 @@ def stdlib_source() -> Source:
         documents=partial(_stdlib_documents, files),
         size_hint=sum(p.stat().st_size for p in files),
         count_hint=len(files),
+        version=_python_name(),
     )
 
 
@@ -257,6 +274,7 @@ def local_source(path: Path, text_field: str, datasets_cache: Path, exclude: Pat
         documents=partial(_file_documents, files, text_field, datasets_cache, path),
         size_hint=sum(p.stat().st_size for p in files),
         count_hint=len(files) if only_text else None,
+        version=f"files {identity['files'][:12]}",
     )
 
 
@@ -316,4 +334,47 @@ def hub_source(spec: str, text_field: str, datasets_cache: Path) -> Source:
         documents=partial(_hub_documents, name, config or None, text_field, datasets_cache, where),
         size_hint=None,
         count_hint=None,
+        version=f"hub {name}" + (f":{config}" if config else ""),
+    )
+
+
+# --------------------------------------------------------------------------- a registry recipe (debian-en)
+
+
+def recipe_source(recipe: Any, cache_root: Path) -> Source:
+    """A corpus assembled from registry packages (debian.py): built on first use, then read from the cache."""
+    from .debian import build_recipe, recipe_documents
+
+    manifest = build_recipe(cache_root, recipe)
+    return Source(
+        name=recipe.name,
+        slug=recipe.name,
+        identity={"kind": "recipe", "name": recipe.name, "recipe": manifest["recipe"], "text": manifest["sha256"]},
+        label_format=f"{recipe.name} corpus ({len(manifest['parts'])} Debian packages, {{documents:,}} documents)",
+        documents=partial(recipe_documents, cache_root, recipe),
+        size_hint=manifest["text_bytes"],
+        count_hint=manifest["documents"],
+        version=f"{recipe.name} recipe {manifest['recipe'][:12]}, text {manifest['sha256'][:12]}",
+        parts=tuple({k: p[k] for k in ("package", "version", "licence")} for p in manifest["parts"]),
+    )
+
+
+def _no_text() -> Any:
+    raise UsageError("a packed corpus holds tokens, not text")
+
+
+def packed_source(path: Path) -> Any:
+    manifest = read_manifest(path)
+    origin = manifest["origin"]
+    return Source(
+        name=str(path),
+        slug=_slug(f"packed-{origin['source']}"),
+        identity={"kind": "packed", "tokens_sha256": manifest["tokens_sha256"], "tokenizer": manifest["tokenizer"]},
+        label_format=_literal(f"{origin['label']}, packed: first {manifest['tokens']:,} tokens") + " ({documents:,} documents)",
+        documents=_no_text,
+        size_hint=None,
+        count_hint=None,
+        version=origin["version"],
+        parts=tuple(origin.get("parts") or ()),
+        pack=Pack(path, manifest),
     )

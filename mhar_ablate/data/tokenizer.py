@@ -15,7 +15,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .cache import CACHE_FORMAT, HashingWriter, digest, exclusive, read_artifact, write_artifact
+from ..console import bars_enabled
+from ..errors import UsageError
+from .cache import CACHE_FORMAT, HashingWriter, digest, exclusive, file_sha256, read_artifact, write_artifact
+from .packfile import TOKENIZER_FILE, Pack
 from .sources import Source
 
 EOS = "<|endoftext|>"
@@ -68,9 +71,10 @@ class BpeTokenizer:
 
     name = "bpe"
 
-    def __init__(self, tok: Any, sha256: str):
+    def __init__(self, tok: Any, sha256: str, path: Path | None = None):
         self._tok = tok
         self.sha256 = sha256
+        self.path = path  # the tokenizer's file (what a pack carries)
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.eos_id = tok.token_to_id(EOS)
 
@@ -106,7 +110,6 @@ def _train_bpe(out: HashingWriter, source: Source, vocab_size: int) -> dict[str,
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    from ..console import bars_enabled
 
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -130,7 +133,7 @@ def load_bpe(source: Source, vocab_size: int, root: Path) -> BpeTokenizer:
     if manifest is None:
         with exclusive(path):
             manifest = read_artifact(path) or write_artifact(path, lambda out: _train_bpe(out, source, vocab_size))
-    return BpeTokenizer(tokenizers.Tokenizer.from_file(str(path)), manifest["sha256"])
+    return BpeTokenizer(tokenizers.Tokenizer.from_file(str(path)), manifest["sha256"], path)
 
 
 class FileTokenizer(BpeTokenizer):
@@ -142,8 +145,6 @@ class FileTokenizer(BpeTokenizer):
     def __init__(self, path: Path):
         import tokenizers
 
-        from ..errors import UsageError
-        from .cache import file_sha256
 
         try:
             tok = tokenizers.Tokenizer.from_file(str(path))
@@ -151,15 +152,37 @@ class FileTokenizer(BpeTokenizer):
             raise UsageError(f"data.tokenizer={path}: not a tokenizers file ({str(e).splitlines()[0][:120]})") from None
         if tok.token_to_id(EOS) is None:
             raise UsageError(f"data.tokenizer={path}: has no {EOS} token to end documents with")
-        super().__init__(tok, file_sha256(path))
+        super().__init__(tok, file_sha256(path), path)
 
     def spec(self) -> dict[str, Any]:
         return {"kind": "file", "vocab_size": self.vocab_size, "sha256": self.sha256}
 
 
-def load_tokenizer(kind: str, vocab_size: int, source: Source, root: Path) -> Tokenizer:
+def load_tokenizer(kind: str, vocab_size: int, source: Source | None, root: Path) -> Tokenizer:
+    if source is not None and source.pack is not None and kind in ("byte", "bpe"):
+        return pack_tokenizer(source.pack, kind, vocab_size)
     if kind == "byte":
         return ByteTokenizer()
     if kind == "bpe":
         return load_bpe(source, vocab_size, root)
     return FileTokenizer(Path(kind))
+
+
+def pack_tokenizer(pack: Pack, kind: str, vocab_size: int) -> Any:
+    """The pack's own tokenizer, after checking that the run asks for the one it was packed with."""
+    packed = pack.manifest["tokenizer"]
+    if kind != packed["kind"]:
+        raise UsageError(f"data.source {pack.path}: packed with data.tokenizer={packed['kind']}, "
+                         f"not {kind}; set data.tokenizer={packed['kind']}")
+    if kind == "byte":
+        return ByteTokenizer()
+    if vocab_size != packed["vocab_requested"]:
+        raise UsageError(f"data.source {pack.path}: packed with data.vocab_size={packed['vocab_requested']}, "
+                         f"not {vocab_size}")
+    import tokenizers
+
+    path = pack.path / TOKENIZER_FILE
+    sha = file_sha256(path)
+    if sha != packed["sha256"]:
+        raise UsageError(f"data.source {pack.path}: {TOKENIZER_FILE} does not match its recorded hash")
+    return BpeTokenizer(tokenizers.Tokenizer.from_file(str(path)), sha, path)

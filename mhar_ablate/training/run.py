@@ -455,6 +455,7 @@ def _result(status: str, reason: str, step: int, seconds: float, curve: list[dic
         **run_mode,  # cuda_graph, step_note, and the seconds of preparation, evaluations and checkpoints
         "wall_seconds": time.time() - started,
         "data": dm.describe(),
+        "corpus": dm.corpus.info.provenance(),  # which corpus, release and tokenizer (hashes included)
         "environment": environment(),
     }
     # The final evaluation (final_eval.py): loss, standard error, sequences and tokens, seconds (outside the
