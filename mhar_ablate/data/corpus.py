@@ -216,7 +216,7 @@ def _provenance(source: Source) -> dict[str, Any]:
     return {"source": m["origin"]["source"], "source_sha256": m["origin"]["sha256"],
             "source_version": source.version, "source_parts": source.parts,
             "packed": {"path": str(source.pack.path), "tokens": m["tokens"], "tokens_sha256": m["tokens_sha256"],
-                       "of_tokens": m["origin"]["tokens"]}}
+                       "of_tokens": m["origin"]["tokens"], "selection": m.get("selection") or {"kind": "first"}}}
 
 
 def fitting_windows(cfg: DataConfig, corpus: Corpus, seq_len: int, count: int) -> np.ndarray:

@@ -75,4 +75,12 @@ def unpack_tokens(out: HashingWriter, pack: Pack, max_tokens: int | None) -> dic
     whole = written == m["tokens"] * dtype.itemsize
     return {"dtype": dtype.name, "tokens": written // dtype.itemsize,
             "documents": m["documents"] if whole else None, "text_bytes": m["text_bytes"] if whole else None,
-            "label": f"{m['origin']['label']}, packed: first {written // dtype.itemsize:,} tokens"}
+            "label": f"{m['origin']['label']}, packed: {selection_words(m, written // dtype.itemsize)}"}
+
+
+def selection_words(manifest: dict[str, Any], tokens: int) -> str:
+    """How the pack took its tokens from the corpus, for labels: 'first N tokens' or 'N tokens in P pieces'."""
+    sel = manifest.get("selection") or {"kind": "first"}
+    if sel["kind"] == "spread":
+        return f"{tokens:,} tokens in {sel['segments']:,} pieces spread over it (seed {sel['seed']})"
+    return f"first {tokens:,} tokens"

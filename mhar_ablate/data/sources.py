@@ -28,7 +28,7 @@ from ..config import DataConfig
 from ..errors import UsageError
 from ..io import raise_if_no_space
 from .cache import digest
-from .packfile import PACK_MANIFEST, Pack, read_manifest
+from .packfile import PACK_MANIFEST, Pack, read_manifest, selection_words
 
 # Which `datasets` builder reads each supported file type; text builders give one document per file.
 BUILDERS = {".txt": "text", ".md": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -370,7 +370,7 @@ def packed_source(path: Path) -> Any:
         name=str(path),
         slug=_slug(f"packed-{origin['source']}"),
         identity={"kind": "packed", "tokens_sha256": manifest["tokens_sha256"], "tokenizer": manifest["tokenizer"]},
-        label_format=_literal(f"{origin['label']}, packed: first {manifest['tokens']:,} tokens") + " ({documents:,} documents)",
+        label_format=_literal(f"{origin['label']}, packed: {selection_words(manifest, manifest['tokens'])}") + " ({documents:,} documents)",
         documents=_no_text,
         size_hint=None,
         count_hint=None,
