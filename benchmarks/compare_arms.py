@@ -5,8 +5,9 @@ docs/results/README.md quotes beside the export's tables (which compare every ar
 
 For each ``A@B`` (arm labels as the export shows them): the per-seed differences A - B, their mean and 95 %
 t-interval at the study's equal-steps and equal-time points (the export's: the fewest steps and seconds any
-run reached) and in final-set loss, and n*: the fewest seeds at which an interval with this mean and
-standard deviation would exclude zero. ``--reruns NAME=DIR ...`` instead lists, per seed, the final-set
+run reached) and in final-set loss, and n* two ways: the fewest seeds at which an interval with this mean and
+standard deviation would exclude zero, and the fewest at which a paired t-test would find a true difference
+of this size with 80 % power. ``--reruns NAME=DIR ...`` instead lists, per seed, the final-set
 loss of ``--arm`` in each of several studies (the same arm and seed trained again) and their spread:
 
     python benchmarks/compare_arms.py --budget steps --reruns heads=DIR1 budget=DIR2 baselines=DIR3
@@ -15,25 +16,13 @@ loss of ``--arm`` in each of several studies (the same arm and seed trained agai
 from __future__ import annotations
 
 import argparse
-import math
-import statistics
 import sys
 from pathlib import Path
 
 from mhar_ablate.errors import UsageError
-from mhar_ablate.reporting.statistics import mean_interval, t95
+from mhar_ablate.reporting.statistics import mean_interval, seeds_for_power, seeds_to_exclude_zero
 from mhar_ablate.reporting.table import build_table, collect, interpolate
 from mhar_ablate.sweep.catalog import load_studies
-
-
-def seeds_needed(diffs: list[float], most: int = 1000) -> int | None:
-    """The fewest seeds n for which t95(n - 1) * sd / sqrt(n) < |mean| (None: more than ``most``)."""
-    if len(diffs) < 2:
-        return None
-    m, sd = abs(statistics.fmean(diffs)), statistics.stdev(diffs)
-    if sd == 0:
-        return 2 if m > 0 else None
-    return next((n for n in range(2, most + 1) if t95(n - 1) * sd / math.sqrt(n) < m), None)
 
 
 def compare(trials: dict, a: str, b: str, at_step: float, at_seconds: float) -> list[str]:
@@ -53,9 +42,9 @@ def compare(trials: dict, a: str, b: str, at_step: float, at_seconds: float) -> 
     for name, diffs in measures.items():
         m, h, n = mean_interval(diffs)
         ci = f"[{m - h:+.4f}, {m + h:+.4f}]" if n > 1 else "(one seed)"
-        need = seeds_needed(diffs)
+        need, power = seeds_to_exclude_zero(diffs), seeds_for_power(diffs)
         lines.append(f"  {name:>12}: per seed {', '.join(f'{d:+.4f}' for d in diffs)}; mean {m:+.4f} {ci}; "
-                     f"n* {need if need else '-'}")
+                     f"n* {need or '>1000'} (interval), {power or '>1000'} (80 % power)")
     return lines
 
 

@@ -3,14 +3,11 @@ hand-made trials (the study loading it shares with the export is tested there)."
 
 from __future__ import annotations
 
-import math
-
 import pytest
 from benchmark_scripts import load_script
 
 from mhar_ablate.errors import UsageError
 from mhar_ablate.reporting.table import TrialData
-from mhar_ablate.reporting.statistics import t95
 
 
 @pytest.fixture(scope="module")
@@ -22,16 +19,6 @@ def trial(arm, seed, losses, final):
     # (step, seconds, tokens, val_loss) at steps 0, 10, 20 and seconds 0, 1, 2
     curve = [(10.0 * i, float(i), 100.0 * i, v) for i, v in enumerate(losses)]
     return TrialData(arm, seed, "completed", curve, 1.0, 1.0, 1, 0.0, "cpu", "reference", final_loss=final)
-
-
-def test_seeds_needed_is_the_first_n_whose_interval_excludes_zero(ca):
-    diffs = [-0.10, -0.05, -0.15]
-    n = ca.seeds_needed(diffs)
-    m, sd = 0.10, 0.05
-    assert t95(n - 1) * sd / math.sqrt(n) < m <= t95(n - 2) * sd / math.sqrt(n - 1)
-    assert ca.seeds_needed([0.0, 0.0]) is None  # no difference: no number of seeds decides it
-    assert ca.seeds_needed([0.1]) is None  # one seed has no spread to go by
-    assert ca.seeds_needed([0.1, -0.1]) is None  # mean zero
 
 
 def test_pairs_by_seed_at_equal_steps_time_and_final(ca):
