@@ -1,6 +1,6 @@
 """Timing of the fused routing op (``mhar_route``, backend ``"triton"``) on a GPU. Its correctness (fp32, bf16,
 fp16 against the float64 oracle, odd shapes, offsets past 2^31, determinism, torch.compile) is
-``tests/test_kernels_gpu.py``: run that first.
+``tests/kernels/test_kernels_gpu.py``: run that first.
 
 Sections (``--sections``, comma-separated, run in this order):
 
@@ -16,7 +16,7 @@ Times are medians of ``triton.testing.do_bench``. Minimum bytes: forward reads S
 output, (S + 1)·N·d·size; backward reads S sources and the output gradient and writes S source gradients,
 (2S + 1)·N·d·size. Run from the repository root:
 
-    PYTHONPATH=$PWD python3 -m pytest -q tests/test_kernels_gpu.py
+    PYTHONPATH=$PWD python3 -m pytest -q tests/kernels/test_kernels_gpu.py
     PYTHONPATH=$PWD python3 benchmarks/bench_route.py --sections copy,table --out /tmp/bench
 
 Liger-Kernel (``liger_kernel``, optional) is timed at H = 1 when importable.
@@ -355,7 +355,7 @@ def main() -> int:
         f"{time.strftime('%Y-%m-%d %H:%M')} | {' '.join(sys.argv)}")
     unknown = sorted(set(sections) - {"copy", "diag", "sweep", "table"})
     if unknown:
-        log(f"unknown section(s) {', '.join(unknown)}: the correctness check is tests/test_kernels_gpu.py now")
+        log(f"unknown section(s) {', '.join(unknown)}: the correctness check is tests/kernels/test_kernels_gpu.py now")
         return 2
     copy_bw = ARGS.copy_bw or 4.25
     if "copy" in sections:

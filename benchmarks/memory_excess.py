@@ -42,7 +42,7 @@ GB = 1e9
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Grouping a snapshot (pure functions of the snapshot dict: tested on the CPU in tests/test_memory_excess.py)
+# Grouping a snapshot (pure functions of the snapshot dict: tested on the CPU in tests/bench/test_memory_excess.py)
 # ----------------------------------------------------------------------------------------------------------
 
 

@@ -8,7 +8,7 @@ kind's settings object, before anything reads a value, so a bad number is refuse
 key and its range before any tensor is made. Its rules, for every field:
 
 - a number (int or float) must be finite and inside its range; a numeric field without a range is a
-  mistake of the package (``tests/test_reliability_config_keys.py`` fails on one);
+  mistake of the package (``tests/reliability/test_reliability_config_keys.py`` fails on one);
 - a string must not be empty (no string key of the package means anything empty);
 - None is allowed only where the field's type says ``| None`` (it means "the default").
 

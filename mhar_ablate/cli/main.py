@@ -176,6 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("out", metavar="OUT", help="the folder to write (new, or empty)")
     _common(h)
 
+    from ..data.pack import add_pack_arguments
+
+    k = sub.add_parser("pack", help="pack a corpus's tokens and tokenizer into a small folder that a machine "
+                                     "without network trains on (data.source=FOLDER)")
+    add_pack_arguments(k)
+    _common(k)
+
     from ..bench.cli import add_bench_parser
 
     add_bench_parser(sub)
@@ -516,6 +523,12 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pack(args: argparse.Namespace) -> int:
+    from ..data.pack import pack_from_args
+
+    return pack_from_args(args, Path(args.output) / "cache")
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from ..bench.cli import cmd_bench as run
 
@@ -523,7 +536,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"bench": cmd_bench, "convert": cmd_convert, "train": cmd_train, "study": cmd_study, "export": cmd_export, "tensorboard": cmd_tensorboard,
-            "info": cmd_info, "eval": cmd_eval, "export-hf": cmd_export_hf}
+            "info": cmd_info, "eval": cmd_eval, "export-hf": cmd_export_hf, "pack": cmd_pack}
 
 
 def _attach_negative_values(argv: list[str]) -> list[str]:

@@ -1,11 +1,11 @@
 """A built corpus packed into a small folder that a machine without network reads as ``data.source=FOLDER``.
 
-The folder holds the first N tokens of the cached token stream (cut at a document's end), compressed
-with xz, the tokenizer's own file and ``mhar-corpus.json`` (what the corpus is, where it came from, the
+The folder holds N tokens of the cached token stream (its first N, cut at a document's end, or N
+spread over the whole stream with ``--spread``), compressed with xz, the tokenizer's own file and ``mhar-corpus.json`` (what the corpus is, where it came from, the
 hashes). Reading it decompresses the tokens once into that machine's token cache; the BPE is the
 packed file, never trained again, so ids and the recorded tokenizer hash are the ones of the source.
 
-    python -m mhar_ablate.data.pack OUT --source debian-en --tokenizer bpe --vocab-size 16384 --tokens 24M
+    mhar-ablate pack OUT --source debian-en --tokenizer bpe --vocab-size 16384 --tokens 24M --spread 2000
 """
 
 from __future__ import annotations
@@ -125,37 +125,51 @@ def folder_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def main(argv: list[str] | None = None) -> int:
+def add_pack_arguments(ap: argparse.ArgumentParser) -> None:
+    """The pack's options, shared by ``mhar-ablate pack`` and ``python -m mhar_ablate.data.pack``."""
     from ..config import DataConfig
 
-    ap = argparse.ArgumentParser(prog="python -m mhar_ablate.data.pack", description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path, help="the folder to write (must be new or empty)")
     ap.add_argument("--source", default="debian-en", help="data.source of the corpus to pack (default debian-en)")
     ap.add_argument("--tokenizer", default="bpe", help="byte | bpe (default bpe)")
     ap.add_argument("--vocab-size", type=int, default=DataConfig.vocab_size)
-    ap.add_argument("--tokens", default=None, help="pack only the first N tokens (e.g. 24M); default all")
+    ap.add_argument("--tokens", default=None, help="pack only N tokens (e.g. 24M); default all")
     ap.add_argument("--spread", type=int, default=0, metavar="PARTS",
                     help="take the tokens as PARTS pieces spread over the whole corpus, in a seeded random order "
                          "(default 0: the first N tokens, cut at a document's end)")
     ap.add_argument("--seed", type=int, default=0, help="the order of --spread's pieces (default 0)")
-    ap.add_argument("--cache", type=Path, default=Path("outputs/cache"),
-                    help="the data cache (default outputs/cache; $MHAR_ABLATE_CACHE wins)")
-    args = ap.parse_args(argv)
-    try:
-        cfg = DataConfig(source=args.source, tokenizer=args.tokenizer, vocab_size=args.vocab_size)
-        cfg.validate()
-        m = pack_corpus(cfg, args.cache, args.out, _count(args.tokens) if args.tokens else None,
-                        spread=args.spread, seed=args.seed)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+
+
+def pack_from_args(args: argparse.Namespace, cache_dir: Path) -> int:
+    """Build (or read from the cache) the corpus and write the pack; its summary line; raises UsageError."""
+    from ..config import DataConfig
+
+    cfg = DataConfig(source=args.source, tokenizer=args.tokenizer, vocab_size=args.vocab_size)
+    cfg.validate()
+    m = pack_corpus(cfg, cache_dir, args.out, _count(args.tokens) if args.tokens else None,
+                    spread=args.spread, seed=args.seed)
     size = folder_bytes(args.out)
     print(f"packed {m['tokens']:,} tokens ({m['documents']:,} documents, {m['text_bytes'] / 1e6:.1f} MB of text) "
           f"into {args.out}: {size / 2**20:.1f} MiB")
     if size > CARRY_LIMIT:
         print(f"warning: {size / 2**20:.1f} MiB is over the {CARRY_LIMIT >> 20} MiB one call can carry; "
               "pack fewer --tokens", file=sys.stderr)
+    print(f"train on it with: data.source={args.out} data.tokenizer={args.tokenizer}"
+          + (f" data.vocab_size={args.vocab_size}" if args.tokenizer == "bpe" else ""))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mhar_ablate.data.pack", description=__doc__.split("\n\n")[0])
+    add_pack_arguments(ap)
+    ap.add_argument("--cache", type=Path, default=Path("outputs/cache"),
+                    help="the data cache (default outputs/cache; $MHAR_ABLATE_CACHE wins)")
+    args = ap.parse_args(argv)
+    try:
+        return pack_from_args(args, args.cache)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ not faithful), whether or not ``TRITON_INTERPRET=1`` was set before triton was i
 Precision: fp32 accumulation throughout. With bf16/fp16 sources the backward's ``delta`` uses the output as
 stored (rounded to the sources' dtype), as flash-attention does; that is the one error the reference does
 not have, and it shows in the query/key-gain gradients: relative error up to 7e-3 in bf16 on the H200,
-against ~3e-7 for the fp32-upcasting reference (``tests/test_kernels_gpu.py`` holds each dtype to its
+against ~3e-7 for the fp32-upcasting reference (``tests/kernels/test_kernels_gpu.py`` holds each dtype to its
 tolerance).
 """
 

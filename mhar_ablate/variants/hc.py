@@ -29,7 +29,7 @@ Choices the paper leaves open, and the ones made here:
 - k in e_(k mod n) counts sublayers, attention and MLP separately, as the paper's per-layer modules do.
 - the sum of the n streams enters the output RMSNorm at n times pre-norm's scale, which the norm removes
   except in its eps: the logits at step 0 are those of pre-norm with that eps divided by n² (to rounding),
-  about 1e-3 relative from pre-norm's own at the tiny preset's small activations (tests/test_family.py).
+  about 1e-3 relative from pre-norm's own at the tiny preset's small activations (tests/variants/test_family.py).
 - weight decay: none on B, A_m, A_r, s_α, s_β (the static parts: decay pulls A_r and B from the identity
   they start at, and users have seen NaNs with it, lucidrains/hyper-connections#4); W decays like any
   matrix of the model.

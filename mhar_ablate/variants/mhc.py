@@ -16,7 +16,7 @@ Choices the paper leaves open, and the ones made here:
   and it breaks the symmetry between the streams, which start equal), b = 0: H_pre = 1/2, H_post = 1,
   H_res = 1/n (uniform) before the dynamic terms, as in the public re-implementation the issue's figures
   come from (wdlctc/hyper-connection-factory). With φ = 0 that is pre-norm (each sublayer reads n/2 times
-  the running sum, which its pre-norm removes up to eps; tests/test_family.py checks it).
+  the running sum, which its pre-norm removes up to eps; tests/variants/test_family.py checks it).
 - RMSNorm of the flattened streams without a gain (φ would absorb it), its division applied after the
   product x φ (the paper's kernels reorder it the same way): one read of the streams computes all 2n + n² logits.
 - Sinkhorn-Knopp: the first step is a softmax over each row (exp with its maximum subtracted, then the row

@@ -12,14 +12,14 @@ import yaml
 from mhar_ablate.errors import UsageError
 from mhar_ablate.training.run import train_run
 
-from test_training import _scalars, cfg_for
+from run_helpers import cfg_for, read_scalars
 
 
 def test_tensorboard_tags_hparams_and_run_folder(tmp_path):
     cfg = cfg_for(tmp_path, train__steps=6, residual__kind="mhar", residual__heads=2, train__eval_every=2)
     r = train_run(cfg, tmp_path / "run", tmp_path / "cache", log=lambda s: None)
     assert not (tmp_path / "run" / "tb").exists()  # events in the run folder: TensorBoard names the run by it
-    s = _scalars(tmp_path / "run")
+    s = read_scalars(tmp_path / "run")
     tags = [t for t in s if not t.startswith("_")]
     assert sorted(tags)[0].startswith("loss/")  # the loss section opens first
     assert not any(t.startswith(("hparams/", "train/", "val/")) for t in tags)

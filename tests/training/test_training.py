@@ -4,34 +4,17 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from mhar_ablate.config import OptimConfig, build_config
+from mhar_ablate.config import OptimConfig
 from mhar_ablate.training.budget import Budget, TrainingClock
 from mhar_ablate.training.callbacks import StopRequest
 from mhar_ablate.training.module import LMModule
 from mhar_ablate.training.run import train_run
 from mhar_ablate.training.schedule import lr_factor
-
-
-def corpus(tmp_path: Path) -> Path:
-    """A small real-text corpus: this package's own sources, so the test needs no download."""
-    root = Path(__file__).resolve().parents[1] / "mhar_ablate"
-    text = "\n\n".join(p.read_text() for p in sorted(root.rglob("*.py")))
-    path = tmp_path / "corpus.txt"
-    path.write_text(text * 2)
-    return path
-
-
-def cfg_for(tmp_path, **over):
-    base = {"data.source": str(corpus(tmp_path)), "model.seq_len": "32", "train.batch_size": "4",
-            "train.eval_every": "4", "train.eval_batches": "2", "data.val_sequences": "8",
-            "residual.backend": "reference", "train.threads": "2"}
-    base.update({k.replace("__", "."): str(v) for k, v in over.items()})
-    return build_config(overrides=base)
+from run_helpers import cfg_for, read_scalars
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "wsd", "constant"])
@@ -80,26 +63,14 @@ def test_wallclock_run_excludes_validation_time_and_decays_fully(tmp_path, monke
     curve = r["curve"]
     assert curve[0]["step"] == 0 and curve[-1]["seconds"] >= 3.0
     assert [p["seconds"] for p in curve] == sorted(p["seconds"] for p in curve)
-    scalars = _scalars(tmp_path / "run")
+    scalars = read_scalars(tmp_path / "run")
     assert scalars["optim/lr"][-1] == pytest.approx(cfg.optim.lr * cfg.optim.min_lr_ratio, rel=0.05)
-
-
-def _scalars(logdir: Path) -> dict[str, list[float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(logdir), size_guidance={"scalars": 0, "images": 0})
-    acc.Reload()
-    out = {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-    out["_images"] = acc.Tags()["images"]
-    out["_val_walltimes"] = [e.wall_time for e in acc.Scalars("loss/val")]
-    out["_val_steps_seconds"] = [e.step for e in acc.Scalars("loss/val_vs_train_seconds")]
-    return out
 
 
 def test_tensorboard_has_loss_per_step_per_hour_and_heatmap(tmp_path):
     cfg = cfg_for(tmp_path, train__steps=12, residual__kind="mhar", residual__heads=4, train__heatmap_every=2)
     r = train_run(cfg, tmp_path / "run", tmp_path / "cache", log=lambda s: None)
-    s = _scalars(tmp_path / "run")
+    s = read_scalars(tmp_path / "run")
     for tag in ("loss/train", "loss/val", "loss/val_vs_train_seconds", "loss/train_smoothed_vs_train_seconds",
                 "optim/lr", "perf/tokens_per_s", "time/train_seconds"):
         assert tag in s, tag

@@ -79,7 +79,7 @@ def test_hf_qwen3_matches_transformers_and_converts_exactly(tmp_path, tied):
 
 
 def corpus(tmp_path: Path) -> Path:
-    root = Path(__file__).resolve().parents[1] / "mhar_ablate"
+    root = Path(__file__).resolve().parents[2] / "mhar_ablate"
     path = tmp_path / "corpus.txt"
     path.write_text("\n\n".join(p.read_text() for p in sorted(root.rglob("*.py"))))
     return path

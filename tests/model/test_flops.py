@@ -23,8 +23,8 @@ from mhar_ablate.sweep.trials import pruning_reporter
 from mhar_ablate.sweep.driver import run_study
 from mhar_ablate.training.run import train_run
 from mhar_ablate.training.schedule import lr_factor
-from test_study import FAST, FakeTrial
-from test_training import _scalars, cfg_for, corpus
+from study_helpers import FAST, FakeTrial
+from run_helpers import cfg_for, corpus, read_scalars
 
 BYTE_VOCAB = 256
 
@@ -102,7 +102,7 @@ def test_flops_budget_trains_the_steps_its_flops_buy_each_arm(tmp_path):
         assert budget - _per_step(cfg, BYTE_VOCAB) < r["flops"] <= budget  # the most whole steps that fit
         saved = yaml.safe_load((tmp_path / kind / "config.yaml").read_text())
         assert saved["train"]["steps"] == r["step"] and saved["train"]["flops"] == budget
-        s = _scalars(tmp_path / kind)
+        s = read_scalars(tmp_path / kind)
         assert len(s["loss/val_vs_gflops"]) == len(r["curve"])
         # the schedule's progress is FLOPs done / the FLOPs of the steps bought: step / steps
         assert s["optim/lr"] == pytest.approx([cfg.optim.lr * lr_factor(i / r["step"], cfg.optim) for i in range(r["step"])])

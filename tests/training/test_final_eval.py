@@ -24,7 +24,7 @@ from mhar_ablate.model import Decoder
 from mhar_ablate.reporting.to_target import crossing, speedup, to_target
 from mhar_ablate.training import final_eval
 from mhar_ablate.training.run import train_run
-from test_training import cfg_for
+from run_helpers import cfg_for
 
 FINAL = {"data.final_sequences": "24"}
 
@@ -247,7 +247,7 @@ def test_a_study_from_before_the_final_set_keeps_its_identity(tmp_path):
     the key existed, so an earlier study continues; another size is another study."""
     import hashlib
 
-    from test_study import study_run
+    from study_helpers import study_run
 
     sr = study_run(tmp_path, seeds=1)
     del sr.overrides["data.final_sequences"]  # at its default

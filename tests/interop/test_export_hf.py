@@ -21,7 +21,7 @@ from mhar_ablate.model.weights import load_decoder, read_state_dict, read_weight
 
 from cli_helpers import one_error
 
-# As tests/test_convert.py: this decoder against transformers' Qwen3 in fp32 differs by ~2e-6 on logits of
+# As tests/interop/test_convert.py: this decoder against transformers' Qwen3 in fp32 differs by ~2e-6 on logits of
 # order 1 (the same operations in another order); a wiring mistake moves them by O(1).
 HF_ATOL = 1e-5
 
@@ -85,7 +85,7 @@ def test_baseline_exports_to_transformers_with_equal_logits_and_imports_back(tmp
 
 
 def corpus(tmp_path: Path) -> Path:
-    root = Path(__file__).resolve().parents[1] / "mhar_ablate"
+    root = Path(__file__).resolve().parents[2] / "mhar_ablate"
     path = tmp_path / "corpus.txt"
     path.write_text("\n\n".join(p.read_text() for p in sorted(root.rglob("*.py"))))
     return path

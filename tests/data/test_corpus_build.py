@@ -267,6 +267,20 @@ def test_pack_command_errors(tmp_path, capsys, fake_registry):
     assert "packed " in capsys.readouterr().out
 
 
+def test_pack_command_of_the_cli_writes_a_spread_pack_under_its_output(tmp_path, capsys, fake_registry):
+    from mhar_ablate.cli import main
+
+    out = tmp_path / "pack"
+    assert main(["pack", str(out), "--tokenizer", "byte", "--tokens", "2k", "--spread", "3",
+                 "--output", str(tmp_path / "o")]) == 0
+    printed = capsys.readouterr().out
+    assert f"train on it with: data.source={out} data.tokenizer=byte" in printed
+    manifest = json.loads((out / "mhar-corpus.json").read_text())
+    assert manifest["selection"]["kind"] == "spread" and (tmp_path / "o" / "cache").is_dir()
+    assert main(["pack", str(out), "--tokenizer", "byte", "--output", str(tmp_path / "o")]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err
+
+
 def test_run_provenance_records_machine_and_diff():
     from mhar_ablate.provenance import environment
 

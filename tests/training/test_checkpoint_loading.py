@@ -8,7 +8,7 @@ from mhar_ablate.training.checkpoint import CHECKPOINT
 from mhar_ablate.training.module import LMModule
 from mhar_ablate.training.run import load_run_config, train_run
 
-from test_training import cfg_for
+from run_helpers import cfg_for
 
 
 def test_load_from_checkpoint_gives_the_trained_logits(tmp_path, monkeypatch):

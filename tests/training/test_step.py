@@ -217,7 +217,7 @@ def test_wallclock_run_with_a_costly_clock_reads_rarely_and_still_stops_on_time(
     from mhar_ablate.training import module as module_mod
     from mhar_ablate.training.run import train_run
 
-    from test_training import _scalars, cfg_for
+    from run_helpers import cfg_for, read_scalars
 
     timer = StepTimer()
     monkeypatch.setattr(module_mod, "HostTimer", lambda: timer)
@@ -241,7 +241,7 @@ def test_wallclock_run_with_a_costly_clock_reads_rarely_and_still_stops_on_time(
     assert r["warmup_steps"] == 1 and r["warmup_seconds"] == pytest.approx(0.01)
     assert timer.reads < r["step"] / 3, f"{timer.reads} read-outs for {r['step']} steps"
     assert [p["seconds"] for p in r["curve"]] == sorted(p["seconds"] for p in r["curve"])
-    scalars = _scalars(tmp_path / "run")
+    scalars = read_scalars(tmp_path / "run")
     assert len(scalars["loss/train"]) == r["step"]  # every step's loss is logged, read in groups
     assert scalars["optim/lr"][-1] == pytest.approx(cfg.optim.lr * cfg.optim.min_lr_ratio, rel=0.05)
 
@@ -250,11 +250,11 @@ def test_logged_learning_rate_is_the_one_each_step_used(tmp_path):
     from mhar_ablate.training.run import train_run
     from mhar_ablate.training.schedule import lr_factor
 
-    from test_training import _scalars, cfg_for
+    from run_helpers import cfg_for, read_scalars
 
     cfg = cfg_for(tmp_path, train__steps=10, residual__kind="baseline", optim__warmup="0.3")
     train_run(cfg, tmp_path / "run", tmp_path / "cache", log=lambda s: None)
-    logged = _scalars(tmp_path / "run")["optim/lr"]
+    logged = read_scalars(tmp_path / "run")["optim/lr"]
     used = [cfg.optim.lr * lr_factor(s / 10, cfg.optim) for s in range(10)]  # step s runs at progress s/10
     assert logged == pytest.approx(used, rel=1e-6, abs=1e-12)
     assert logged[0] == 0.0  # warm-up starts from zero: the first step's rate, not the second's

@@ -4,7 +4,7 @@ CPU tensors run the kernels through Triton's interpreter, in fp32, against ``_Si
 (``mhc.sinkhorn_reference``), forward and backward, over sizes n that are and are not powers of two, one
 and several iterations, token counts of one program and of several with a partial last one; and both
 kernels compiled ahead of time for the H200 (sm_90), which needs triton's NVIDIA backend but no GPU. The
-GPU run is ``tests/test_kernels_gpu.py``.
+GPU run is ``tests/kernels/test_kernels_gpu.py``.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def test_kernels_compile_for_the_h200_without_a_gpu(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(root)}  # compiled afresh
     env.pop("TRITON_INTERPRET", None)
     done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], env=env, capture_output=True, text=True,

@@ -11,7 +11,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 BOUNDED = ("torch", "triton", "lightning", "optuna")
 
 

@@ -10,7 +10,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def evidence(work: Path, out: Path, restore: Path | None = None, studies: str = "budget:1") -> str:

@@ -2,7 +2,7 @@
 
 CPU tensors run the kernels through Triton's interpreter, in fp32, against the float64 oracle
 (``kernels/reference.py``), which is itself checked once against SPEC.md's formula written out plainly.
-The GPU side (bf16/fp16, large shapes, inductor) is ``tests/test_kernels_gpu.py``.
+The GPU side (bf16/fp16, large shapes, inductor) is ``tests/kernels/test_kernels_gpu.py``.
 """
 
 from __future__ import annotations
@@ -249,7 +249,7 @@ def test_runs_under_triton_interpret_env():
         errs = [float((t.detach().double() - u).norm() / u.norm()) for t, u in zip([out] + [l.grad for l in leaves], [o] + [t.grad for t in ref])]
         print(max(errs))
     """)
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

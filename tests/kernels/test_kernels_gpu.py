@@ -7,7 +7,7 @@ groupings. Every output the kernels write is poisoned (NaN) first, so that an el
 fails. Skipped without CUDA; on the CPU the interpreter tests (``test_kernel_triton.py``,
 ``test_history_kernels.py``, ``test_fused_path.py``, ``test_sinkhorn_kernel.py``) cover fp32.
 
-    PYTHONPATH=$PWD python3 -m pytest -q tests/test_kernels_gpu.py
+    PYTHONPATH=$PWD python3 -m pytest -q tests/kernels/test_kernels_gpu.py
 
 Tolerances are relative L2 errors against the oracle evaluated on the inputs as rounded to the dtype, so
 they measure the kernels' own arithmetic and output rounding. Where the plain reference can run in the same
@@ -359,7 +359,7 @@ def test_sites_backward_matches_float64(dtype, S, N, d, H, accumulate):
     delta, table = nan_like((1, N, H), torch.float32), torch.full((3,), -1, dtype=torch.int64, device=DEVICE)
     lse = lse64.detach().float().unsqueeze(0).contiguous()
     if S:  # the query-row gradient added into a row, as the fused path takes it
-        row = torch.zeros(1, d, device=DEVICE)  # (that it adds: tests/test_history_kernels.py)
+        row = torch.zeros(1, d, device=DEVICE)  # (that it adds: tests/kernels/test_history_kernels.py)
         history.sites_backward(src, torch.empty_like(src), None, qg, H, EPS, grad_out, lse, delta.clone(),
                                out=out, dqg=row)
         assert_qg_grad(row, dqg64, src, grad_out, dtype)

@@ -17,26 +17,7 @@ from mhar_ablate.sweep.definition import StudyDefinition, StudyRun
 from mhar_ablate.sweep.catalog import load_studies
 from mhar_ablate.sweep.driver import run_study
 from mhar_ablate.training.callbacks import StopRequest
-
-# A final evaluation of 8 sequences: the tiny preset's default 512 took about 1.3 s of a run on the CPU.
-FAST = {"model.seq_len": "32", "train.batch_size": "4", "train.eval_every": "3", "train.eval_batches": "1",
-        "data.val_sequences": "4", "data.final_sequences": "8", "residual.backend": "reference", "train.threads": "2"}
-
-
-def two_arm_study(tmp_path: Path) -> Path:
-    path = tmp_path / "pair.yaml"
-    path.write_text(
-        "description: two arms\n"
-        "fixed: {model.preset: tiny}\n"
-        "arms:\n  baseline: {residual.kind: baseline}\n  mhar-h2: {residual.kind: mhar, residual.heads: 2}\n"
-        "baseline: baseline\nseeds: 2\nbudgets: {steps: 6, wallclock: 2s}\ncurve: residual.heads\n")
-    return path
-
-
-def study_run(tmp_path, budget="steps", **kw) -> StudyRun:
-    return StudyRun(StudyDefinition.load(str(two_arm_study(tmp_path))), budget, tmp_path / "out", dict(FAST),
-                    seeds=kw.pop("seeds", 2), **kw)
-
+from study_helpers import FAST, FakeTrial, study_run
 
 def stop_at_step(monkeypatch, stop: StopRequest, n: int, signal: str = "SIGINT") -> None:
     """Request a stop in the n-th training step of the process (counting across trials)."""
@@ -162,18 +143,6 @@ def test_tune_picks_a_learning_rate_per_arm_then_runs_the_grid(tmp_path):
     for t in study.trials:
         assert t.user_attrs["lr"] == pytest.approx(lrs[t.params["arm"]])  # each arm trains at its own best rate
     assert run_study(sr, log=lambda m: None)["ran"] == 0  # finished searches are not rerun
-
-
-class FakeTrial:
-    def __init__(self, prune_after: int):
-        self.reports: list[tuple[float, int]] = []
-        self.prune_after = prune_after
-
-    def report(self, value: float, step: int) -> None:
-        self.reports.append((value, step))
-
-    def should_prune(self) -> bool:
-        return len(self.reports) >= self.prune_after
 
 
 def test_pruning_reports_at_steps_or_training_seconds():
