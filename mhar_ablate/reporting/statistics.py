@@ -35,7 +35,9 @@ def mean_interval(diffs: list[float]) -> tuple[float, float, int]:
 
 
 def _moments(diffs: list[float]) -> tuple[float, float] | None:
-    if len(diffs) < 2:
+    """(|mean|, standard deviation) of differences that more seeds could decide: None for one seed or a
+    mean of zero."""
+    if len(diffs) < 2 or statistics.fmean(diffs) == 0:
         return None
     return abs(statistics.fmean(diffs)), statistics.stdev(diffs)
 
@@ -43,8 +45,7 @@ def _moments(diffs: list[float]) -> tuple[float, float] | None:
 def seeds_to_exclude_zero(diffs: list[float], most: int = 1000) -> int | None:
     """The fewest seeds n for which t95(n - 1) * sd / sqrt(n) < |mean| (None: one seed, no effect, or more
     than ``most``)."""
-    ms = _moments(diffs)
-    if ms is None or ms[0] == 0:
+    if (ms := _moments(diffs)) is None:
         return None
     m, sd = ms
     if sd == 0:
@@ -69,8 +70,7 @@ def power(effect: float, sd: float, n: int, alpha: float = 0.05) -> float:
 def seeds_for_power(diffs: list[float], target: float = 0.8, alpha: float = 0.05, most: int = 1000) -> int | None:
     """The fewest seeds at which the paired t-test has power ``target`` for the mean difference these seeds
     show, at their spread (None: one seed, no effect, or more than ``most``)."""
-    ms = _moments(diffs)
-    if ms is None or ms[0] == 0:
+    if (ms := _moments(diffs)) is None:
         return None
     m, sd = ms
     if sd == 0:
