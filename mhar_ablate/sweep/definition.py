@@ -167,7 +167,9 @@ class StudyRun:
         return self.folder / f"{arm.replace(':', '')}-s{seed}"
 
     def grid(self) -> list[tuple[str, int]]:
-        return [(arm, seed) for arm in self.definition.arms for seed in range(self.seeds)]
+        """Seed-major: workers take the points in this order, so a study stopped part-way (a time-limited
+        session, a kill) holds every arm at its first seeds rather than some arms at every seed."""
+        return [(arm, seed) for seed in range(self.seeds) for arm in self.definition.arms]
 
     def configs(self) -> dict[tuple[str, int], RunConfig]:
         """Every grid point's config, built (and so validated) before anything trains."""

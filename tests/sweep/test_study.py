@@ -214,3 +214,14 @@ def test_source_stage_must_be_a_baseline_under_steps(tmp_path):
     sr = StudyRun(StudyDefinition.load(str(path)), "steps", tmp_path / "out", {}, seeds=1)
     with pytest.raises(UsageError, match="source stage must be residual.kind=baseline"):
         sr.configs()
+
+
+def test_grid_is_seed_major_so_a_partial_study_is_balanced():
+    """Workers take grid points in order: a study stopped after k * arms trials holds every arm at seeds 0..k-1."""
+    d = StudyDefinition.load("budget")
+    sr = StudyRun(d, "steps", Path("/tmp/grid-order"), {}, seeds=3)
+    grid = sr.grid()
+    assert len(grid) == len(set(grid)) == 3 * len(d.arms)
+    first = grid[:len(d.arms)]
+    assert {arm for arm, _ in first} == set(d.arms) and {seed for _, seed in first} == {0}
+    assert [seed for _, seed in grid] == sorted(seed for _, seed in grid)
