@@ -37,6 +37,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from ..console import bars_enabled
 from ..errors import UsageError
 from ..io import raise_if_no_space, write_json
 from .cache import CACHE_FORMAT, HashingWriter, digest, ensure_dir, exclusive, read_artifact, write_artifact
@@ -501,7 +502,7 @@ def build_recipe(root: Path, recipe: Recipe) -> dict[str, Any]:
         pass
     parts = []
     with tqdm(recipe.parts, desc=f"building {recipe.name}", unit=" packages", file=sys.stderr,
-              dynamic_ncols=True) as bar:
+              dynamic_ncols=True, disable=not bars_enabled()) as bar:
         for part in bar:
             bar.set_postfix_str(part.package)
             parts.append(build_part(root, recipe, part))

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from ..console import bars_enabled
 from ..errors import UsageError
 from ..io import write_json
 from .corpus import load_corpus
@@ -41,7 +42,8 @@ def _text_bytes(tokens: np.ndarray, tokenizer: Any) -> int:
     if tokenizer.name == "byte":
         return int(np.count_nonzero(tokens != tokenizer.eos_id))
     total = 0
-    for start in tqdm(range(0, len(tokens), CHUNK_TOKENS), desc="counting text", delay=1.0, file=sys.stderr):
+    for start in tqdm(range(0, len(tokens), CHUNK_TOKENS), desc="counting text", delay=1.0, file=sys.stderr,
+                      disable=not bars_enabled()):
         piece = tokens[start:start + CHUNK_TOKENS]
         total += len(tokenizer.decode(piece[piece != tokenizer.eos_id]).encode("utf-8"))
     return total
@@ -87,7 +89,8 @@ def pack_corpus(cfg: Any, cache_dir: Path, out: Path, tokens: int | None, spread
     out.mkdir(parents=True, exist_ok=True)
     raw = subset.tobytes()
     with lzma.open(out / TOKENS_FILE, "wb", preset=XZ_PRESET) as f:
-        for start in tqdm(range(0, len(raw), 1 << 24), desc=f"compressing {n:,} tokens", delay=1.0, file=sys.stderr):
+        for start in tqdm(range(0, len(raw), 1 << 24), desc=f"compressing {n:,} tokens", delay=1.0, file=sys.stderr,
+                          disable=not bars_enabled()):
             f.write(raw[start:start + (1 << 24)])
     tok = corpus.tokenizer
     spec = {"kind": tok.name, "vocab_size": tok.vocab_size, "vocab_requested": cfg.vocab_size, "sha256": None}

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from ..console import bars_enabled
 from ..errors import UsageError
 from .cache import HashingWriter
 
@@ -60,7 +61,7 @@ def unpack_tokens(out: HashingWriter, pack: Pack, max_tokens: int | None) -> dic
     try:
         with lzma.open(pack.path / TOKENS_FILE, "rb") as f, \
                 tqdm(total=m["tokens"] * dtype.itemsize, desc=f"unpacking {pack.path.name}", unit="B",
-                     unit_scale=True, delay=1.0, file=sys.stderr, dynamic_ncols=True) as bar:
+                     unit_scale=True, delay=1.0, file=sys.stderr, dynamic_ncols=True, disable=not bars_enabled()) as bar:
             while chunk := f.read(CHUNK_TOKENS * dtype.itemsize):
                 check.update(chunk)
                 keep = chunk[: max(0, limit - written)]

@@ -199,9 +199,10 @@ def test_not_a_deb(tmp_path):
         list(debian.deb_files(bad, FAKE.parts[0]))
 
 
-def test_pack_is_read_offline_with_its_tokenizer(tmp_path, fake_registry, monkeypatch):
+def test_pack_is_read_offline_with_its_tokenizer(tmp_path, fake_registry, monkeypatch, capsys):
     cfg = DataConfig(source="debian-en", tokenizer="bpe", vocab_size=300)
     built = load_corpus(cfg, tmp_path / "cache")
+    assert "\r" not in capsys.readouterr().err  # off a terminal the build draws no bar frames into the log
     stream = np.concatenate([built.train, built.val])
     out = tmp_path / "pack"
     m = pack_corpus(cfg, tmp_path / "cache", out, tokens=len(stream) - 5)
