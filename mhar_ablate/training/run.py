@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import math
+import sys
 import threading
 import time
 import warnings
@@ -358,6 +359,10 @@ def _prepare(cfg: RunConfig, run_dir: Path, cache_dir: Path, resume: bool, log, 
     vocab = cfg.model.vocab_size or dm.vocab_size
     if vocab < dm.vocab_size:
         raise UsageError(f"model.vocab_size={vocab} is smaller than the tokenizer's {dm.vocab_size} tokens")
+    if lead and vocab > 2 * dm.vocab_size:  # a paper preset's Qwen3 vocabulary over a smaller tokenizer
+        print(f"warning: model.vocab_size={vocab:,} is {vocab / dm.vocab_size:.1f}x the tokenizer's {dm.vocab_size:,} "
+              f"tokens: {vocab - dm.vocab_size:,} embeddings never see a token yet cost parameters and FLOPs; "
+              f"model.vocab_size={dm.vocab_size} trains the tokenizer's vocabulary", file=sys.stderr, flush=True)
     params, base_params, overhead = routing_overhead(cfg.model, cfg.residual, vocab)
     resolve_flops_budget(cfg, vocab)  # before the folder's run is compared with this one, or config.yaml written
     ckpt = run_dir / CHECKPOINT

@@ -150,3 +150,16 @@ def test_divergence_stops_with_a_clear_status(tmp_path):
     assert r["step"] < 40
     saved = json.loads((tmp_path / "run" / "result.json").read_text())
     assert saved["status"] == "diverged" and saved["curve"]
+
+
+def test_an_embedding_far_larger_than_the_tokenizer_is_warned_of(tmp_path, capsys):
+    # A paper preset names the Qwen3 vocabulary (151,936); over a 16k BPE or byte tokenizer most of the
+    # embedding would never see a token, and its parameters and FLOPs would be counted anyway.
+    cfg = cfg_for(tmp_path, train__steps=2, model__vocab_size=1024)
+    r = train_run(cfg, tmp_path / "run", tmp_path / "cache", log=lambda s: None)
+    err = capsys.readouterr().err
+    assert r["status"] == "completed"
+    assert "model.vocab_size=1,024 is 4.0x the tokenizer's 256 tokens" in err and "model.vocab_size=256" in err
+    cfg = cfg_for(tmp_path, train__steps=2, model__vocab_size=320)  # a little padding is no waste worth a line
+    train_run(cfg, tmp_path / "run2", tmp_path / "cache", log=lambda s: None)
+    assert "warning" not in capsys.readouterr().err
