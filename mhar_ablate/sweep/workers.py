@@ -284,22 +284,7 @@ def work(sr, study, configs, tuned: dict[str, float], slot: Slot, log: Callable[
             # Our trial was failed by another worker while it trained: its heartbeat missed the grace period
             # (a database unreachable for that long). The retry copy goes on from the run's checkpoint.
             log("a trial of this worker was given up by the heartbeat check while it ran; its retry resumes it")
-        release_gpu_memory()
     return summary
-
-
-def release_gpu_memory() -> None:
-    """Hand a finished trial's GPU memory back before the next trial of this worker starts. Its module,
-    CUDA graph and optimiser state sit in reference cycles (Lightning's trainer), and the caching allocator
-    keeps what they held: at `paper100m` one worker held 68 GiB after two trials of 21 GB peak, and the
-    next trial sharing the GPU ran out of memory."""
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _system_attrs(study, trial) -> dict[str, Any]:
