@@ -406,6 +406,11 @@ def cmd_study(args: argparse.Namespace) -> int:
     if summary["interrupted"]:
         print(f"interrupted: rerun `{_command_line(args)}` to resume", file=sys.stderr)
         return 130
+    if summary.get("out_of_memory") and summary["done"] < len(sr.grid()):
+        print(f"error: {summary['out_of_memory']} trial(s) ran out of GPU memory and {len(sr.grid()) - summary['done']} "
+              f"grid point(s) are unfinished: rerun `{_command_line(args)}` to retry them"
+              + (" with a smaller --trials-per-gpu" if args.trials_per_gpu > 1 else ""), file=sys.stderr)
+        return 1
     if summary.get("workers_died") and summary["done"] < len(sr.grid()):
         print(f"error: {summary['workers_died']} worker(s) died and {len(sr.grid()) - summary['done']} grid point(s) are "
               f"unfinished: rerun `{_command_line(args)}` to resume them", file=sys.stderr)

@@ -174,6 +174,7 @@ def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = log_line) ->
         summary.update({k: ran[k] for k in ("ran", "diverged", "pruned", "interrupted")})
         summary["done"] = len(finished())
         summary["workers_died"] = ran.get("workers_died", 0)
+        summary["out_of_memory"] = ran.get("out_of_memory", 0)
         return summary
     finally:
         if held is not None:

@@ -16,6 +16,7 @@ shared device.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -173,6 +174,11 @@ class Interrupted(Exception):
     """The run stopped on a signal after checkpointing: the trial is failed and the next run resumes it."""
 
 
+class OutOfMemory(Exception):
+    """The run ran out of GPU memory (a neighbour on a shared GPU, or a batch too large): the trial is failed,
+    its worker frees the memory and takes the next point, and the next run retries it from its checkpoint."""
+
+
 def make_pruner(sr):
     import optuna
 
@@ -186,6 +192,7 @@ def work(sr, study, configs, tuned: dict[str, float], slot: Slot, log: Callable[
     """One worker: take queued grid points until none is left and none runs elsewhere (a trial running
     in a worker that dies is then queued again, and taken here)."""
     import optuna
+    import torch
     from optuna.trial import TrialState
 
     from ..errors import UsageError
@@ -196,7 +203,7 @@ def work(sr, study, configs, tuned: dict[str, float], slot: Slot, log: Callable[
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # surplus trials are expected, not worth a warning
     grid = sr.grid()
     arms, seeds = list(sr.definition.arms), list(range(sr.seeds))
-    summary = {"ran": 0, "diverged": 0, "pruned": 0, "interrupted": False}
+    summary = {"ran": 0, "diverged": 0, "pruned": 0, "out_of_memory": 0, "interrupted": False}
     cache = sr.output / "cache"
 
     def done_count() -> int:
@@ -225,11 +232,23 @@ def work(sr, study, configs, tuned: dict[str, float], slot: Slot, log: Callable[
         if "failed_trial" in _system_attrs(study, trial):
             log(f"{title}resuming from the checkpoint of a worker that died")
         on_eval = pruning_reporter(trial, sr.budget, cfg) if sr.prune else None
+        oom = None
         try:
             result = train_run(cfg, run_dir, cache, resume=True, on_eval=on_eval, log=log, title=title, stop=stop,
                                position=1, log_evals=False, allow_version_change=sr.allow_version_change)
         except UsageError as e:
             raise UsageError(f"arm {arm!r} seed {seed}: {e}") from None
+        except torch.OutOfMemoryError as e:
+            oom = (str(e).splitlines() or ["CUDA out of memory"])[0].split(". GPU")[0]
+        if oom is not None:  # outside the handler: the traceback's frames, which hold the run's tensors, are gone
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            summary["out_of_memory"] += 1
+            trial.set_user_attr("out_of_memory", oom)
+            log(f"{title}out of GPU memory ({oom}); the trial is failed and the next run retries it"
+                + (" (fewer --trials-per-gpu leaves it more)" if slot.shared else ""))
+            raise OutOfMemory(oom)
         record_result(trial, result)
         status = result["status"]
         if status == "interrupted":
@@ -278,7 +297,7 @@ def work(sr, study, configs, tuned: dict[str, float], slot: Slot, log: Callable[
             continue
         said_waiting = False
         try:
-            study.optimize(objective, n_trials=1, catch=(Surplus, Interrupted), gc_after_trial=False,
+            study.optimize(objective, n_trials=1, catch=(Surplus, Interrupted, OutOfMemory), gc_after_trial=False,
                            show_progress_bar=False)
         except optuna.exceptions.UpdateFinishedTrialError:
             # Our trial was failed by another worker while it trained: its heartbeat missed the grace period
@@ -346,7 +365,7 @@ def run_workers(sr, url: str, study, configs, tuned, slots: list[Slot], log, sto
         log(f"worker w{slot.index} (pid {p.pid}){' on ' + where if where else ''}"
             f"{' (shares its GPU)' if slot.shared else ''}")
     forwarded: str | None = None
-    summary = {"ran": 0, "diverged": 0, "pruned": 0, "interrupted": False, "workers_died": 0}
+    summary = {"ran": 0, "diverged": 0, "pruned": 0, "out_of_memory": 0, "interrupted": False, "workers_died": 0}
     while any(p.is_alive() for p in procs):
         if stop and stop.signal != forwarded:
             forwarded = stop.signal
@@ -365,7 +384,7 @@ def run_workers(sr, url: str, study, configs, tuned, slots: list[Slot], log, sto
             log(f"worker w{procs.index(p)} (pid {p.pid}) failed with exit code {p.exitcode}")
     while not results.empty():
         _, s = results.get()
-        for k in ("ran", "diverged", "pruned"):
+        for k in ("ran", "diverged", "pruned", "out_of_memory"):
             summary[k] += s[k]
         summary["interrupted"] |= s["interrupted"]
     if stop:
