@@ -42,9 +42,12 @@ def compare(trials: dict, a: str, b: str, at_step: float, at_seconds: float) -> 
     for name, diffs in measures.items():
         m, h, n = mean_interval(diffs)
         ci = f"[{m - h:+.4f}, {m + h:+.4f}]" if n > 1 else "(one seed)"
-        need, power = seeds_to_exclude_zero(diffs), seeds_for_power(diffs)
-        lines.append(f"  {name:>12}: per seed {', '.join(f'{d:+.4f}' for d in diffs)}; mean {m:+.4f} {ci}; "
-                     f"n* {need or '>1000'} (interval), {power or '>1000'} (80 % power)")
+        if n < 2 or m == 0:  # no spread to scale by, or no effect to find: n* does not exist
+            seeds = "n* unknown (one seed: no spread yet)" if n < 2 else "n* none (mean difference 0)"
+        else:
+            need, power = seeds_to_exclude_zero(diffs), seeds_for_power(diffs)
+            seeds = f"n* {need or '>1000'} (interval), {power or '>1000'} (80 % power)"
+        lines.append(f"  {name:>12}: per seed {', '.join(f'{d:+.4f}' for d in diffs)}; mean {m:+.4f} {ci}; {seeds}")
     return lines
 
 

@@ -31,3 +31,12 @@ def test_pairs_by_seed_at_equal_steps_time_and_final(ca):
     assert "final-set: per seed -0.5000, -0.6000" in lines[3]
     with pytest.raises(UsageError, match="no arm 'c'"):
         ca.compare(trials, "c", "b", 15, 2)
+
+
+def test_one_seed_says_that_its_spread_is_unknown(ca):
+    trials = {"a": [trial("a", 0, [5, 3, 2], 1.9), trial("a", 1, [5, 3, 2.2], None)],
+              "b": [trial("b", 0, [5, 4, 2.5], 2.4)]}
+    lines = ca.compare(trials, "a", "b", at_step=20, at_seconds=2)
+    assert lines[0] == "a - b, seeds 0:"
+    assert all("(one seed)" in line and "n* unknown (one seed: no spread yet)" in line for line in lines[1:])
+    assert not any(">1000" in line for line in lines)
