@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-KEYS = ("arm", "seed", "status", "step", "seconds", "tokens_per_s", "peak_mem_gb", "cuda_graph", "compiled",
+KEYS = ("arm", "seed", "status", "step", "seconds", "tokens_per_s", "peak_mem_gb", "reserved_gb", "cuda_graph", "compiled",
         "prepare_seconds", "eval_seconds", "checkpoint_seconds", "final_val_loss", "device", "wall_seconds")
 
 

@@ -450,6 +450,9 @@ def _result(status: str, reason: str, step: int, seconds: float, curve: list[dic
         # Over the timed steps: the warm-up steps trained off the clock.
         "tokens_per_s": (max(step - int(run_mode.get("warmup_steps") or 0), 0) * tokens_per_step / seconds) if seconds else None,
         "peak_mem_gb": peak_mem_gb,
+        # What the process holds from the allocator at the end (nvidia-smi shows this and the CUDA context):
+        # above the peak when cached blocks or a graph's private pool are kept.
+        "reserved_gb": torch.cuda.memory_reserved() / 1e9 if torch.cuda.is_available() else None,
         "params": params,
         "baseline_params": base_params,
         "param_overhead_pct": overhead,
