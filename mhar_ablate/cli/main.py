@@ -338,10 +338,18 @@ def cmd_train(args: argparse.Namespace) -> int:
     if short:
         log_line(short)
     log_line(f"run folder: {run_dir}")
-    with stop_on_signals() as stop:
-        # Every line the run prints goes above its progress bar (console.log_line), none onto it.
-        result = train_run(cfg, run_dir, cache, resume=bool(args.resume), stop=stop, log=log_line,
-                           allow_version_change=args.allow_version_change)
+    import torch
+
+    try:
+        with stop_on_signals() as stop:
+            # Every line the run prints goes above its progress bar (console.log_line), none onto it.
+            result = train_run(cfg, run_dir, cache, resume=bool(args.resume), stop=stop, log=log_line,
+                               allow_version_change=args.allow_version_change)
+    except torch.OutOfMemoryError as e:  # the run's size or a neighbour on the GPU, not a bug
+        reason = (str(e).splitlines() or ["CUDA out of memory"])[0].split(". GPU")[0]
+        print(f"error: out of GPU memory ({reason}) in {run_dir}: a smaller train.batch_size or model fits, "
+              "or a GPU without other processes", file=sys.stderr)
+        return 1
     print(f"{result['status']}: {result['step']} steps, {float(result['seconds']):.1f}s of training, "
           f"final val loss {float(result['final_val_loss']):.4f}, {result['tokens_per_s'] or 0:,.0f} tokens/s")
     if args.quiet:

@@ -59,3 +59,17 @@ def test_the_command_exits_1_naming_the_rerun(tmp_path, monkeypatch, capsys):
     assert "error: 1 trial(s) ran out of GPU memory and 1 grid point(s) are unfinished: rerun `" in err
     monkeypatch.undo()
     assert main(argv) == 0
+
+
+def test_train_out_of_memory_is_one_line_and_exit_1(tmp_path, monkeypatch, capsys):
+    def train_run(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                                     "capacity of 79.18 GiB of which 1.50 GiB is free.")
+
+    monkeypatch.setattr(run_module, "train_run", train_run)
+    argv = ["train", "--output", str(tmp_path / "out"), "--quiet", "residual.kind=baseline", *FAST,
+            "train.steps=4"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: out of GPU memory (CUDA out of memory. Tried to allocate")
+    assert "internal error" not in err[0] and "train.batch_size" in err[0]
