@@ -217,6 +217,16 @@ class DataConfig:
             raise UsageError(f"data.source: no such file or folder: {self.source}")
 
 
+def unused_vocabulary(model_vocab: int, tokenizer_vocab: int) -> str | None:
+    """The warning for a model vocabulary far larger than its tokenizer's (a paper preset's Qwen3
+    vocabulary over a smaller tokenizer), or None: shared by ``train`` and ``info``."""
+    if model_vocab <= 2 * tokenizer_vocab:
+        return None
+    return (f"model.vocab_size={model_vocab:,} is {model_vocab / tokenizer_vocab:.1f}x the tokenizer's "
+            f"{tokenizer_vocab:,} tokens: {model_vocab - tokenizer_vocab:,} embeddings never see a token yet cost "
+            f"parameters and FLOPs; model.vocab_size={tokenizer_vocab} trains the tokenizer's vocabulary")
+
+
 # Default size of the final evaluation set per model preset (``data.final_sequences``), in sequences of
 # seq_len + 1 tokens. At ``small`` (and up) 16,384 sequences put the standard error of a run's loss near
 # 0.0027 nats, about half of 0.005 (per-sequence spread ~0.35 nats at 512 tokens), and a paired Δ's near

@@ -226,6 +226,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     if args.print_config:
         return _print_config(cfg)
     vocab = cfg.model.vocab_size or (256 if cfg.data.tokenizer == "byte" else cfg.data.vocab_size)
+    if cfg.data.tokenizer in ("byte", "bpe"):  # a tokenizer.json's size is known only once it is read
+        from ..config import unused_vocabulary
+
+        if unused := unused_vocabulary(vocab, 256 if cfg.data.tokenizer == "byte" else cfg.data.vocab_size):
+            _warn(unused)
     n, nb, pct = routing_overhead(cfg.model, cfg.residual, vocab)
     print(f"preset {cfg.model.preset}: d={cfg.model.d_model}, {cfg.model.n_layers} layers, vocab {vocab:,}")
     own = cfg.residual.settings()

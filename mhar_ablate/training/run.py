@@ -36,7 +36,7 @@ import yaml
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from ..config import RunConfig, from_dict
+from ..config import RunConfig, from_dict, unused_vocabulary
 from ..console import log_line
 from ..errors import UsageError
 from ..io import human_bytes, remove_stale_temporaries, require_free_space, write_json, write_text
@@ -359,10 +359,8 @@ def _prepare(cfg: RunConfig, run_dir: Path, cache_dir: Path, resume: bool, log, 
     vocab = cfg.model.vocab_size or dm.vocab_size
     if vocab < dm.vocab_size:
         raise UsageError(f"model.vocab_size={vocab} is smaller than the tokenizer's {dm.vocab_size} tokens")
-    if lead and vocab > 2 * dm.vocab_size:  # a paper preset's Qwen3 vocabulary over a smaller tokenizer
-        print(f"warning: model.vocab_size={vocab:,} is {vocab / dm.vocab_size:.1f}x the tokenizer's {dm.vocab_size:,} "
-              f"tokens: {vocab - dm.vocab_size:,} embeddings never see a token yet cost parameters and FLOPs; "
-              f"model.vocab_size={dm.vocab_size} trains the tokenizer's vocabulary", file=sys.stderr, flush=True)
+    if lead and (unused := unused_vocabulary(vocab, dm.vocab_size)):
+        print(f"warning: {unused}", file=sys.stderr, flush=True)
     params, base_params, overhead = routing_overhead(cfg.model, cfg.residual, vocab)
     resolve_flops_budget(cfg, vocab)  # before the folder's run is compared with this one, or config.yaml written
     ckpt = run_dir / CHECKPOINT

@@ -163,3 +163,14 @@ def test_an_embedding_far_larger_than_the_tokenizer_is_warned_of(tmp_path, capsy
     cfg = cfg_for(tmp_path, train__steps=2, model__vocab_size=320)  # a little padding is no waste worth a line
     train_run(cfg, tmp_path / "run2", tmp_path / "cache", log=lambda s: None)
     assert "warning" not in capsys.readouterr().err
+
+
+def test_info_warns_of_the_same_unused_embedding_before_anything_trains(capsys):
+    from mhar_ablate.cli import main
+
+    assert main(["info", "--preset", "paper100m"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: model.vocab_size=151,936 is 593.5x the tokenizer's 256 tokens" in err
+    assert main(["info", "--preset", "paper100m", "model.vocab_size=16384", "data.tokenizer=bpe",
+                 "data.vocab_size=16384"]) == 0
+    assert "warning" not in capsys.readouterr().err
