@@ -225,11 +225,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     cfg = build_config(args.config, _overrides(args))
     if args.print_config:
         return _print_config(cfg)
-    vocab = cfg.model.vocab_size or (256 if cfg.data.tokenizer == "byte" else cfg.data.vocab_size)
+    tokenizer_vocab = 256 if cfg.data.tokenizer == "byte" else cfg.data.vocab_size
+    vocab = cfg.model.vocab_size or tokenizer_vocab
     if cfg.data.tokenizer in ("byte", "bpe"):  # a tokenizer.json's size is known only once it is read
         from ..config import unused_vocabulary
 
-        if unused := unused_vocabulary(vocab, 256 if cfg.data.tokenizer == "byte" else cfg.data.vocab_size):
+        if unused := unused_vocabulary(vocab, tokenizer_vocab):
             _warn(unused)
     n, nb, pct = routing_overhead(cfg.model, cfg.residual, vocab)
     print(f"preset {cfg.model.preset}: d={cfg.model.d_model}, {cfg.model.n_layers} layers, vocab {vocab:,}")
@@ -351,8 +352,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             result = train_run(cfg, run_dir, cache, resume=bool(args.resume), stop=stop, log=log_line,
                                allow_version_change=args.allow_version_change)
     except torch.OutOfMemoryError as e:  # the run's size or a neighbour on the GPU, not a bug
-        reason = (str(e).splitlines() or ["CUDA out of memory"])[0].split(". GPU")[0]
-        print(f"error: out of GPU memory ({reason}) in {run_dir}: a smaller train.batch_size or model fits, "
+        from ..errors import out_of_memory_reason
+
+        print(f"error: out of GPU memory ({out_of_memory_reason(e)}) in {run_dir}: a smaller train.batch_size or model fits, "
               "or a GPU without other processes", file=sys.stderr)
         return 1
     print(f"{result['status']}: {result['step']} steps, {float(result['seconds']):.1f}s of training, "

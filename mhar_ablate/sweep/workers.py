@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import UsageError
+from ..errors import UsageError, out_of_memory_reason
 from . import storage as st
 from ..processes import NotATerminal, die_with_parent
 
@@ -239,7 +239,7 @@ def work(sr, study, configs, tuned: dict[str, float], slot: Slot, log: Callable[
         except UsageError as e:
             raise UsageError(f"arm {arm!r} seed {seed}: {e}") from None
         except torch.OutOfMemoryError as e:
-            oom = (str(e).splitlines() or ["CUDA out of memory"])[0].split(". GPU")[0]
+            oom = out_of_memory_reason(e)
         if oom is not None:  # outside the handler: the traceback's frames, which hold the run's tensors, are gone
             gc.collect()
             if torch.cuda.is_available():
