@@ -40,7 +40,10 @@ def runs_of(folder: Path) -> list[dict]:
         row = {k: r.get(k) for k in KEYS}
         row["final_eval_loss"] = (r.get("final_eval") or {}).get("loss")
         row["environment"] = r.get("environment") or {}
-        row["written"] = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        # Results record when they were made; older ones only have the file's time (which an archive's
+        # round trip between machines may have moved).
+        row["written"] = r.get("finished_at") or datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).strftime(
+            "%Y-%m-%d %H:%M UTC")
         row["folder"] = path.parent
         row["routing_weights"] = r.get("routing_weights")
         out.append(row)

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 import warnings
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
@@ -460,6 +460,8 @@ def _result(status: str, reason: str, step: int, seconds: float, curve: list[dic
         "compiled": cfg.train.compile,
         **run_mode,  # cuda_graph, step_note, and the seconds of preparation, evaluations and checkpoints
         "wall_seconds": time.time() - started,
+        # When the result was made (UTC): a file's mtime does not survive archives copied between machines.
+        "finished_at": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "data": dm.describe(),
         "corpus": dm.corpus.info.provenance(),  # which corpus, release and tokenizer (hashes included)
         "environment": environment(),

@@ -18,13 +18,15 @@ def pub():
 
 
 def run(folder: Path, arm: str, seed: int, final: float | None, status="completed", tps=100.0, heatmap=True,
-        dirty=False, weights=None):
+        dirty=False, weights=None, finished_at=None):
     d = folder / f"{arm}-s{seed}"
     d.mkdir(parents=True)
     env = {"mhar-ablate": "0.1.0", "torch": "2.11.0", "git_commit": "abcdef1234567890", "git_dirty": dirty}
     result = {"arm": arm, "seed": seed, "status": status, "step": 10, "seconds": 15.0, "tokens_per_s": tps,
               "final_val_loss": 2.0, "final_eval": None if final is None else {"loss": final},
               "device": "NVIDIA H200", "environment": env, "routing_weights": weights}
+    if finished_at is not None:
+        result["finished_at"] = finished_at
     (d / "result.json").write_text(json.dumps(result))
     if heatmap:
         (d / "routing.png").write_bytes(b"png")
@@ -67,3 +69,11 @@ def test_runs_table_and_provenance(tmp_path, pub):
     assert "bash benchmarks/gpu_study.sh heads wallclock 560" in text
     assert "- device: NVIDIA H200" in text and "- git commit: abcdef123456 (dirty)" in text
     assert "- results written: 2026-11-30" in text and " to " not in text.split("results written")[1]
+
+
+def test_provenance_dates_come_from_the_results_not_the_files(tmp_path, pub):
+    # An archive's round trip between machines can move a file's time; a result says when it was made.
+    run(tmp_path, "baseline", 0, 1.5, finished_at="2026-12-07 09:21 UTC")
+    run(tmp_path, "baseline", 1, 1.6, finished_at="2026-12-07 09:46 UTC")
+    text = pub.provenance(pub.runs_of(tmp_path), ["cmd"], "heads", "steps")
+    assert "- results written: 2026-12-07 09:21 UTC to 2026-12-07 09:46 UTC" in text

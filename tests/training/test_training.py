@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -150,6 +151,8 @@ def test_divergence_stops_with_a_clear_status(tmp_path):
     assert r["step"] < 40
     saved = json.loads((tmp_path / "run" / "result.json").read_text())
     assert saved["status"] == "diverged" and saved["curve"]
+    # When it was made, for the provenance a published study states (a file's time may not travel).
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d UTC", saved["finished_at"])
 
 
 def test_an_embedding_far_larger_than_the_tokenizer_is_warned_of(tmp_path, capsys):
