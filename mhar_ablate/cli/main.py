@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("name", help="a study in studies/ (heads, grouping, query_init, budget) or a YAML path")
     _budget_args(s)
     s.add_argument("--preset", help="model preset for every arm (same as model.preset=...)")
-    s.add_argument("--seeds", type=int, metavar="N", help="seeds per arm (default: the study's)")
+    s.add_argument("--seeds", type=int, metavar="N",
+                   help="seeds per arm (default: the study's); more than a study ran with trains only the new ones")
     s.add_argument("--tune", choices=("lr",), help="tune this hyperparameter per arm with TPE before the grid")
     s.add_argument("--trials", type=int, metavar="N", help="TPE trials per arm for --tune (default 6)")
     s.add_argument("--prune", action="store_true", help="stop hopeless trials early (median pruner)")

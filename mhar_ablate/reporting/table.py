@@ -20,6 +20,7 @@ from typing import Any
 
 from ..config import format_flops
 from ..errors import UsageError
+from ..sweep.points import arm_seed
 from .statistics import mean_interval, mean_std, t95
 
 START_ROW = "start (source checkpoint)"
@@ -105,9 +106,9 @@ def collect(study) -> tuple[dict[str, list[TrialData]], list[str]]:
     arms, seeds = list(attrs.get("arms", [])), int(attrs.get("seeds", 0))
     latest: dict[tuple[str, int], Any] = {}
     for t in study.get_trials(deepcopy=False):
-        if "arm" not in t.params:
+        key = arm_seed(t)
+        if key is None:
             continue
-        key = (t.params["arm"], t.params["seed"])
         prev = latest.get(key)
         finished = t.state.name in ("COMPLETE", "PRUNED")
         if prev is None or finished or prev.state.name not in ("COMPLETE", "PRUNED"):

@@ -102,10 +102,10 @@ def check_compatible(study, fingerprint: str | None, key: str, seeds: int | None
         raise UsageError(f"study {key} already exists in this output folder with a different configuration; "
                          "rerun with the same options, or use another --output folder")
     stored = attrs.get("seeds")
-    if seeds is not None and stored not in (None, seeds) and study.get_trials(deepcopy=False):
-        # The seed is an Optuna parameter whose choices are fixed once a study has trials.
-        raise UsageError(f"study {key} was run with {stored} seed(s) per arm; --seeds {seeds} would change its grid: "
-                         f"rerun with --seeds {stored}, or use another --output folder")
+    if seeds is not None and stored is not None and seeds < stored and study.get_trials(deepcopy=False):
+        # More seeds grow the grid (points.py); fewer would leave trained seeds out of its tables.
+        raise UsageError(f"study {key} was run with {stored} seed(s) per arm; --seeds {seeds} would drop some: "
+                         f"rerun with --seeds {stored} or more, or use another --output folder")
 
 
 def check_environment(study, sr: "StudyRun") -> list[tuple[str, Any, Any]]:

@@ -32,6 +32,7 @@ from ..provenance import environment
 from ..redaction import redact
 from .catalog import check_compatible, check_environment, check_readable, choose_storage, corrupt, find_storage, open_storage, under_output
 from .definition import STUDY_FORMAT, StudyDefinition, StudyRun
+from .points import arm_seed, trial_point
 from .trials import DONE_STATES, TRAINED_FILES, drop_finished_checkpoints, drop_checkpoints
 
 
@@ -139,8 +140,6 @@ def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = log_line) ->
         tuned = tune_arms(sr, configs, storage, log, stop, url) if sr.tune else {}
 
         def finished() -> set[str]:
-            from .workers import trial_point
-
             return {trial_point(t) for t in study.get_trials(deepcopy=False) if t.state.name in DONE_STATES
                     and trial_point(t)}
 
@@ -224,8 +223,7 @@ def _closing_on_error(fd):
 
 
 def _finished_points(study) -> set[tuple[str, int]]:
-    return {(t.params["arm"], t.params["seed"]) for t in study.get_trials(deepcopy=False)
-            if t.state.name in DONE_STATES and "arm" in t.params and "seed" in t.params}
+    return {arm_seed(t) for t in study.get_trials(deepcopy=False) if t.state.name in DONE_STATES and arm_seed(t)}
 
 
 def _finished_read_only(sr: StudyRun, fingerprint: str, grid, log) -> dict[str, Any] | None:

@@ -11,6 +11,7 @@ from typing import Any, Callable
 from ..config import RunConfig
 from ..errors import UsageError
 from .definition import StudyRun
+from .points import arm_seed
 
 
 DONE_STATES = ("COMPLETE", "PRUNED")
@@ -37,8 +38,9 @@ def drop_finished_checkpoints(sr: StudyRun, study) -> None:
     """Checkpoints of finished trials that a kill left behind (between the result and their removal);
     a trial run with ``keep_checkpoints`` keeps its own."""
     for t in study.get_trials(deepcopy=False):
-        if t.state.name in DONE_STATES and t.user_attrs.get("keep_checkpoints") is False and "arm" in t.params:
-            drop_checkpoints(sr.run_dir(t.params["arm"], t.params["seed"]))
+        point = arm_seed(t)
+        if t.state.name in DONE_STATES and t.user_attrs.get("keep_checkpoints") is False and point:
+            drop_checkpoints(sr.run_dir(*point))
 
 
 def record_result(trial, result: dict[str, Any]) -> None:

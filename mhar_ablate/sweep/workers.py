@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 from ..errors import UsageError, out_of_memory_reason
 from . import storage as st
+from .points import point_key, seed_of_key, trial_point
 from ..processes import NotATerminal, die_with_parent
 
 
@@ -126,18 +127,6 @@ def pin(slot: Slot) -> None:
 # --------------------------------------------------------------------------- the grid as a queue
 
 
-def point_key(arm: str, seed: int) -> str:
-    return f"{arm}/s{seed}"
-
-
-def trial_point(t) -> str | None:
-    if "grid_point" in t.user_attrs:
-        return t.user_attrs["grid_point"]
-    if "arm" in t.params and "seed" in t.params:  # studies written before the queue
-        return point_key(t.params["arm"], t.params["seed"])
-    return None
-
-
 def queue_grid(study, grid: list[tuple[str, int]]) -> int:
     """Queue every grid point that is neither finished, running nor already waiting (never started,
     interrupted, or out of retries). The caller holds the output lock. Returns how many were queued."""
@@ -148,7 +137,7 @@ def queue_grid(study, grid: list[tuple[str, int]]) -> int:
     n = 0
     for arm, seed in grid:
         if point_key(arm, seed) not in present:
-            study.enqueue_trial({"arm": arm, "seed": seed}, user_attrs={"grid_point": point_key(arm, seed)})
+            study.enqueue_trial({"arm": arm}, user_attrs={"grid_point": point_key(arm, seed), "seed": seed})
             n += 1
     return n
 
@@ -202,7 +191,7 @@ def work(sr, study, configs, tuned: dict[str, float], slot: Slot, log: Callable[
     quiet_lightning()
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # surplus trials are expected, not worth a warning
     grid = sr.grid()
-    arms, seeds = list(sr.definition.arms), list(range(sr.seeds))
+    arms = list(sr.definition.arms)
     summary = {"ran": 0, "diverged": 0, "pruned": 0, "out_of_memory": 0, "interrupted": False}
     cache = sr.output / "cache"
 
@@ -217,7 +206,8 @@ def work(sr, study, configs, tuned: dict[str, float], slot: Slot, log: Callable[
         for k, v in {**st.owner_attrs(), "worker": slot.index, "shared_device": slot.shared}.items():
             trial.set_user_attr(k, v)  # first: a worker killed from here on is recognised as dead
         arm = trial.suggest_categorical("arm", arms)
-        seed = trial.suggest_categorical("seed", seeds)
+        seed = seed_of_key(point)  # also for a point queued before the seed became an attribute (points.py)
+        trial.set_user_attr("seed", seed)
         if taken_elsewhere(study, trial, point):
             trial.set_user_attr("surplus", "another trial of this grid point ran first")
             raise Surplus()

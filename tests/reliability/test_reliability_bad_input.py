@@ -229,12 +229,6 @@ def test_a_corrupt_study_attribute_is_one_line(study_copy, capsys):
         assert code == 2 and "cannot be read: an attribute or a trial is corrupt" in one_line(err)
 
 
-def test_a_changed_seed_count_is_one_line(study_copy, capsys):
-    code, err = run_cli(capsys, "study", str(study_copy / "pair.yaml"), "--output", str(study_copy / "out"),
-                        "--seeds", "2", *FAST)
-    assert code == 2 and "was run with 1 seed(s) per arm; --seeds 2 would change its grid" in one_line(err)
-
-
 def test_a_checkpoint_from_another_arm_is_one_line(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["train", "--output", str(out), "--steps", "2", "residual.kind=baseline", *FAST]) == 0

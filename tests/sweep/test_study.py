@@ -102,6 +102,41 @@ def test_unfinished_study_export_names_the_missing_trials(tmp_path, monkeypatch)
     assert "Missing trials:" in md and "crashed or interrupted" in md
 
 
+def test_a_study_grows_by_seeds_and_keeps_the_runs_it_has(tmp_path, capsys):
+    import sqlite3
+
+    from optuna.distributions import CategoricalDistribution, distribution_to_json
+
+    sr = study_run(tmp_path, seeds=1)
+    sr.overrides["train.steps"] = "3"
+    assert run_study(sr, log=lambda m: None)["ran"] == 2
+    first = {p: p.read_bytes() for p in sr.folder.glob("*-s0/result.json")}
+    assert len(first) == 2
+    # As studies were written before the seed became a trial attribute: a categorical parameter whose
+    # choices Optuna fixes. Such a study must grow too.
+    with sqlite3.connect(sr.output / "studies.db") as con:
+        ids = [r[0] for r in con.execute("SELECT trial_id FROM trials")]
+        for i in ids:
+            con.execute("INSERT INTO trial_params (trial_id, param_name, param_value, distribution_json) "
+                        "VALUES (?, 'seed', 0.0, ?)", (i, distribution_to_json(CategoricalDistribution([0]))))
+        con.execute("DELETE FROM trial_user_attributes WHERE key = 'seed'")
+    grown = study_run(tmp_path, seeds=2)
+    grown.overrides["train.steps"] = "3"
+    assert run_study(grown, log=lambda m: None)["ran"] == 2  # seed 1 of each arm, nothing again
+    assert {p: p.read_bytes() for p in sr.folder.glob("*-s0/result.json")} == first
+    (study,) = load_studies(sr.output, "pair", "steps", None)
+    md = render(build_table(study), "md")
+    assert "| baseline | 2 |" in md and "| mhar-h2 | 2 |" in md and "Missing trials" not in md
+    # Fewer seeds would leave trained ones out of its tables: one line from the command, nothing lost.
+    capsys.readouterr()
+    args = ["study", str(tmp_path / "pair.yaml"), "--output", str(sr.output), "--budget", "steps", "--seeds", "1",
+            "train.steps=3", *(f"{k}={v}" for k, v in FAST.items())]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "run with 2 seed(s) per arm; --seeds 1 would drop some" in err
+    assert {p: p.read_bytes() for p in sr.folder.glob("*-s0/result.json")} == first
+
+
 def test_changed_configuration_is_refused_not_mixed(tmp_path):
     sr = study_run(tmp_path, seeds=1)
     sr.overrides["train.steps"] = "3"
