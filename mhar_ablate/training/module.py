@@ -138,6 +138,11 @@ class LMModule(L.LightningModule):
             n += x.shape[0]
         residual.record = None
         self.train(was_training)
+        if self.step is not None and self.step.captured:
+            # The captured step replays from its graph's own pool; the blocks this eager evaluation cached in
+            # the ordinary pool would otherwise stay with the process for the rest of the run, out of reach
+            # of a trial sharing the GPU (at paper100m 6-47 GB: benchmarks/process_memory.py). Outside the clock.
+            torch.cuda.empty_cache()
         return total / max(n, 1)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:

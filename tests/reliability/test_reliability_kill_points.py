@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from mhar_ablate.sweep.points import arm_seed
 from reliability_helpers import FAST, REPO, env, final_losses, write_study
 
 # A tiny study (2 arms x 1 seed, 2 steps) commits 14 files: 1-2 the token cache and its manifest,
@@ -92,7 +93,7 @@ def test_a_study_killed_at_a_commit_reruns_to_the_same_trials(n, killed, uninter
     study = optuna.load_study(study_name="pair-steps", storage=f"sqlite:///{out / 'studies.db'}")
     trials = study.get_trials(deepcopy=False)
     assert not [t.number for t in trials if t.state == TrialState.RUNNING]
-    done = sorted((t.params["arm"], t.params["seed"]) for t in trials if t.state == TrialState.COMPLETE)
+    done = sorted(arm_seed(t) for t in trials if t.state == TrialState.COMPLETE)
     assert done == [("baseline", 0), ("mhar-h2", 0)]
     assert _temporaries(out) == [], f"temporaries left after the rerun of kill point {n}"
 

@@ -177,3 +177,27 @@ def test_info_warns_of_the_same_unused_embedding_before_anything_trains(capsys):
     assert main(["info", "--preset", "paper100m", "model.vocab_size=16384", "data.tokenizer=bpe",
                  "data.vocab_size=16384"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_evaluations_hand_back_their_cached_memory_when_the_step_is_a_graph(tmp_path, monkeypatch):
+    # A replayed step allocates from its graph's own pool; what an eager evaluation cached would stay with
+    # the process (tens of GB at paper100m) unless handed back after each evaluation.
+    from mhar_ablate.training.step import TrainStep
+
+    prepare = TrainStep.prepare
+
+    def as_if_captured(self, *a, **kw):
+        seconds = prepare(self, *a, **kw)
+        self.captured = True
+        return seconds
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
+    r = train_run(cfg_for(tmp_path, train__steps=8), tmp_path / "eager", tmp_path / "cache", log=lambda s: None)
+    assert r["status"] == "completed"
+    eager = len(calls)  # an eager step reuses what its evaluations cached (the run's teardown frees it)
+    monkeypatch.setattr(TrainStep, "prepare", as_if_captured)
+    r = train_run(cfg_for(tmp_path, train__steps=8), tmp_path / "graph", tmp_path / "cache", log=lambda s: None)
+    assert r["status"] == "completed"
+    # Once an evaluation, from the first after the step was prepared.
+    assert len(r["curve"]) - 1 <= len(calls) - 2 * eager <= len(r["curve"])
