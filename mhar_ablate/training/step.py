@@ -180,9 +180,8 @@ class TrainStep:
                 self.optimizer.zero_grad(set_to_none=True)
         torch.cuda.current_stream(self.device).wait_stream(side)
         # The warm-up's activations, freed, would stay cached in the allocator's ordinary pool while the
-        # capture allocates a step's worth again in the graph's private pool: handed back first. Runs record
-        # reserved_gb; at paper100m nvidia-smi shows the process holding more than that, not yet explained
-        # (docs/results/README.md, "paper100m, completed").
+        # capture allocates a step's worth again in the graph's private pool: handed back first (the
+        # evaluations hand back theirs too: LMModule.evaluate).
         torch.cuda.empty_cache()
         # The peak of a captured step is its capture's: a replay allocates nothing.
         _reset_peak_memory(self.device)
