@@ -129,7 +129,8 @@ def publish(name: str, output: Path, budget: str, dest: Path, commands: list[str
     shutil.rmtree(target, ignore_errors=True)
     target.mkdir(parents=True)
     shutil.copy2(folder / "table.md", target / "table.md")
-    for plot in PLOTS:
+    # The study's own curve over its design choice (``heads_curve.png``: loss against H), where it has one.
+    for plot in [*PLOTS, *sorted(f.name for f in folder.glob("*_curve.png"))]:
         if (folder / plot).is_file():
             shutil.copy2(folder / plot, target / plot)
     best = best_mhar(runs)

@@ -35,7 +35,9 @@ def save_plots(table: StudyTable, folder: Path) -> list[Path]:
     longest = max((t.curve[-1][1] for ts in table.trials.values() for t in ts if t.usable), default=1.0)
     scale, unit = _time_unit(longest)
     by_arm = {r["arm"]: r for r in table.rows}
-    axes = [(0, "loss_vs_steps.png", "optimiser step"), (1, "loss_vs_time.png", f"training time ({unit})")]
+    # Trials that shared a GPU (--trials-per-gpu) trained slower than alone: their time says nothing of speed.
+    shared = "; trials shared the GPU" if table.shared_device else ""
+    axes = [(0, "loss_vs_steps.png", "optimiser step"), (1, "loss_vs_time.png", f"training time ({unit}{shared})")]
     if table.at_flops is not None:
         axes.append((FLOPS_AXIS, "loss_vs_flops.png", "training FLOPs"))
     for axis, fname, xlabel in axes:
@@ -73,6 +75,8 @@ def save_plots(table: StudyTable, folder: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(5.6, 4.0))
         rows = {r["arm"]: r for r in table.rows}
         for col, label in measures(table):
+            if col == "loss_at_time" and shared:
+                label += " (GPU shared)"
             arms = sorted((a for a in points if col in rows.get(a, {})), key=lambda a: points[a])
             if not arms:
                 continue
