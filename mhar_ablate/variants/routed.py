@@ -143,9 +143,15 @@ class MHARResidual(Residual):
         return bool(self.record or (self.record is None and not self.training))
 
     def store_weights(self, site: int, stacked: Tensor) -> None:
+        """Record the site's depth weights, averaged over batch and positions: (S, H)."""
+        # A sequence at a time: over the whole batch the weights' fp32 temporaries are two stack-sized
+        # tensors a site, a size larger at every site, so none is reused and the allocator keeps them all
+        # cached (about 44 GB at paper100m: docs/benchmarks.md, "What a training process holds").
         with torch.no_grad():
-            w = routing_weights(stacked, self.query[site], self.key_weight[site], self.num_heads, self.eps)
-            self._weights[site] = w.mean(dim=(1, 2)).cpu()
+            B, T = stacked.shape[1], stacked.shape[2]
+            total = sum(routing_weights(stacked[:, b:b + 1], self.query[site], self.key_weight[site], self.num_heads,
+                                        self.eps).sum(dim=(1, 2)) for b in range(B))
+            self._weights[site] = (total / (B * T)).cpu()
 
     def _route(self, sources: list[Tensor], site: int) -> Tensor:
         stacked = torch.stack(sources)

@@ -133,6 +133,20 @@ def test_source_counts_per_site(grouping):
         assert res.last_weights()[-1].shape[0] == 2 * 4 + 1
 
 
+def test_recorded_depth_weights_are_the_mean_over_batch_and_positions():
+    # Recorded a sequence at a time (to bound an evaluation's memory): the same as over the whole batch.
+    from mhar_ablate.kernels.reference import routing_weights
+
+    torch.manual_seed(0)
+    model = _model(heads=4, query_init="normal:0.3", n_layers=2).eval()
+    res = model.residual
+    stacked = torch.randn(3, 5, 7, model.cfg.d_model)
+    res.store_weights(2, stacked)
+    whole = routing_weights(stacked, res.query[2], res.key_weight[2], res.num_heads, res.eps).mean(dim=(1, 2))
+    torch.testing.assert_close(res._weights[2], whole)
+    assert not torch.allclose(whole, torch.full_like(whole, 1 / 3))  # not the uniform mixture of a zero query
+
+
 @pytest.mark.parametrize("query_init", ["zeros", "normal:0.3"])
 def test_gradients_reach_every_routing_parameter(query_init):
     model = _model(heads=4, query_init=query_init)
