@@ -40,7 +40,7 @@ tar -czf "$out/evidence-$budget.tgz" --exclude='*.ckpt' --exclude='*.safetensors
 # What a later session needs to resume or grow the studies (the databases, every run's result.json and
 # config; no TensorBoard events or images: publish_results.py draws a heatmap again from result.json),
 # small enough to commit (docs/results/PRESET/state.tgz).
-tar -czf "$out/state.tgz" --exclude='*.ckpt' --exclude='*.safetensors' --exclude='cache' --exclude=tb \
+tar -czf "$out/state.tgz" --exclude='*.ckpt' --exclude='*.safetensors' --exclude='cache' --exclude=tb --exclude='events.out.tfevents.*' \
   --exclude='*.png' --exclude='*.lock' --exclude=log -C "$work" .
 for spec in ${list//,/ }; do
   name=${spec%%:*}

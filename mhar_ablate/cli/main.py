@@ -21,7 +21,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..config import BUDGETS
+from ..config import BUDGETS, unused_vocabulary
 from ..console import log_line, note, set_quiet
 from ..errors import UsageError
 from ..redaction import redact, register
@@ -229,8 +229,6 @@ def cmd_info(args: argparse.Namespace) -> int:
     tokenizer_vocab = 256 if cfg.data.tokenizer == "byte" else cfg.data.vocab_size
     vocab = cfg.model.vocab_size or tokenizer_vocab
     if cfg.data.tokenizer in ("byte", "bpe"):  # a tokenizer.json's size is known only once it is read
-        from ..config import unused_vocabulary
-
         if unused := unused_vocabulary(vocab, tokenizer_vocab):
             _warn(unused)
     n, nb, pct = routing_overhead(cfg.model, cfg.residual, vocab)

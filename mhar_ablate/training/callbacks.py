@@ -280,7 +280,14 @@ class BudgetCallback(L.Callback):
             return
         from .final_eval import describe, evaluate
 
-        final = evaluate(module.model, self.final_batches(), module.device, module.autocast, self.seq_len)
+        # Not recorded for the heatmap: the periodic evaluations' first batches are (the result's weights are
+        # the last of those), and recording every batch of this larger set would only cost time.
+        residual = module.model.residual
+        residual.record = False
+        try:
+            final = evaluate(module.model, self.final_batches(), module.device, module.autocast, self.seq_len)
+        finally:
+            residual.record = None
         if not final["sequences"]:
             return
         self.final_eval = final

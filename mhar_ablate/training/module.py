@@ -140,8 +140,9 @@ class LMModule(L.LightningModule):
         self.train(was_training)
         if self.step is not None and self.step.captured:
             # The captured step replays from its graph's own pool; the blocks this eager evaluation cached in
-            # the ordinary pool would otherwise stay with the process for the rest of the run, out of reach
-            # of a trial sharing the GPU (at paper100m 6-47 GB: docs/benchmarks.md, "What a training process holds"). Outside the clock.
+            # the ordinary pool would otherwise stay with the process for the rest of the run, out of reach of
+            # a trial sharing the GPU (6-49 GB at paper100m: docs/benchmarks.md, "What a training process
+            # holds"). Outside the clock.
             torch.cuda.empty_cache()
         return total / max(n, 1)
 

@@ -201,3 +201,19 @@ def test_evaluations_hand_back_their_cached_memory_when_the_step_is_a_graph(tmp_
     assert r["status"] == "completed"
     # Once an evaluation, from the first after the step was prepared.
     assert len(r["curve"]) - 1 <= len(calls) - 2 * eager <= len(r["curve"])
+
+
+def test_only_the_periodic_evaluations_record_depth_weights(tmp_path, monkeypatch):
+    # The heatmap's weights come from each periodic evaluation's first batch; the final evaluation's many
+    # batches record none (recording every one of them would only cost time and memory).
+    from mhar_ablate.variants.routed import MHARResidual
+
+    sites = []
+    store = MHARResidual.store_weights
+    monkeypatch.setattr(MHARResidual, "store_weights", lambda self, site, stacked: (sites.append(site),
+                                                                                   store(self, site, stacked)))
+    cfg = cfg_for(tmp_path, train__steps=8, residual__kind="mhar", residual__heads=2, data__final_sequences=8)
+    r = train_run(cfg, tmp_path / "run", tmp_path / "cache", log=lambda s: None)
+    assert r["status"] == "completed" and r["final_eval"]["sequences"] == 8
+    assert len(sites) == len(set(sites)) * len(r["curve"])
+    assert len(r["routing_weights"]) == len(set(sites))
