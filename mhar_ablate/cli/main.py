@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..config import BUDGETS, unused_vocabulary
 from ..console import log_line, note, set_quiet
-from ..errors import UsageError
+from ..errors import UsageError, out_of_memory_reason
 from ..redaction import redact, register
 
 
@@ -351,8 +351,6 @@ def cmd_train(args: argparse.Namespace) -> int:
             result = train_run(cfg, run_dir, cache, resume=bool(args.resume), stop=stop, log=log_line,
                                allow_version_change=args.allow_version_change)
     except torch.OutOfMemoryError as e:  # the run's size or a neighbour on the GPU, not a bug
-        from ..errors import out_of_memory_reason
-
         print(f"error: out of GPU memory ({out_of_memory_reason(e)}) in {run_dir}: a smaller train.batch_size or model fits, "
               "or a GPU without other processes", file=sys.stderr)
         return 1

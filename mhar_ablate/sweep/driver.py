@@ -223,7 +223,7 @@ def _closing_on_error(fd):
 
 
 def _finished_points(study) -> set[tuple[str, int]]:
-    return {arm_seed(t) for t in study.get_trials(deepcopy=False) if t.state.name in DONE_STATES and arm_seed(t)}
+    return {point for t in study.get_trials(deepcopy=False) if t.state.name in DONE_STATES and (point := arm_seed(t))}
 
 
 def _finished_read_only(sr: StudyRun, fingerprint: str, grid, log) -> dict[str, Any] | None:
