@@ -2,8 +2,8 @@
 
 Storage (``storage.py``): SQLite in the output folder for one worker, a journal file there for several
 workers on one machine, or a database server (``--storage postgresql://...``) for workers on several
-machines; one Optuna study per (name, budget). The grid is queued as waiting trials and the workers take
-them through ``study.optimize`` (``workers.py``). Each grid point trains into a fixed folder
+machines; one Optuna study per (name, budget). The workers queue the grid as waiting trials, one point at a
+time in grid order, and take them through ``study.optimize`` (``workers.py``). Each grid point trains into a fixed folder
 ``<output>/studies/<name>/<budget>/<arm>-s<seed>/``, so a rerun after a crash or a kill, or another worker
 after a worker died, continues that point from its checkpoint; finished points (completed, diverged or
 pruned) are never trained again, and their checkpoints are removed once their result is recorded
@@ -60,7 +60,7 @@ def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = log_line) ->
     import optuna
     from tqdm.auto import tqdm
 
-    from .workers import make_pruner, plan, queue_grid, run_workers
+    from .workers import make_pruner, plan, run_workers
 
     configs = sr.configs()  # validates every arm (and the source stage) before any training
     devices = next(iter(configs.values())).train.devices
@@ -124,7 +124,9 @@ def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = log_line) ->
                     "(or from the start where it has none)")
         else:
             st.fail_stale(study)
-        queue_grid(study, grid)
+        # Grid points are queued by the workers, one at a time (workers.queue_next); a point that fails
+        # in this run (trial number `since` or later) waits for the next run.
+        since = len(study.get_trials(deepcopy=False))
         if not sr.keep_checkpoints:
             drop_finished_checkpoints(sr, study)
 
@@ -167,7 +169,7 @@ def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = log_line) ->
                 bar.update(1)
 
         try:
-            ran = run_workers(sr, url, study, configs, tuned, slots, log_and_count, stop)
+            ran = run_workers(sr, url, study, configs, tuned, slots, log_and_count, stop, since)
         finally:
             bar.close()
         summary.update({k: ran[k] for k in ("ran", "diverged", "pruned", "interrupted")})

@@ -1,10 +1,10 @@
 """Study workers: where each worker may run (GPUs, CPU cores), the worker processes, and the loop each
 worker runs through ``study.optimize`` so that Optuna's heartbeat covers every trial.
 
-The grid is handed out as Optuna *waiting* trials (``study.enqueue_trial``), one per missing grid point,
-queued once under a lock: a worker takes the next one with ``study.optimize`` (Optuna pops a waiting
-trial atomically in every storage), so no sampler guesses and no point is given out twice. Should two
-machines still queue the same point at the same moment, the worker that takes the later copy sees the
+The grid is handed out as Optuna *waiting* trials (``study.enqueue_trial``), one grid point at a time in
+grid order, queued by a worker that finds none waiting: it takes it with ``study.optimize`` (Optuna pops a
+waiting trial atomically in every storage), so no sampler guesses and no point is given out twice. Should two
+workers queue the same point at the same moment, the worker that takes the later copy sees the
 earlier one running or finished and drops its own (``surplus``) before training anything.
 
 Fairness: under ``--budget wallclock`` every worker has its own GPU (or its own CPU cores), because a
@@ -127,19 +127,24 @@ def pin(slot: Slot) -> None:
 # --------------------------------------------------------------------------- the grid as a queue
 
 
-def queue_grid(study, grid: list[tuple[str, int]]) -> int:
-    """Queue every grid point that is neither finished, running nor already waiting (never started,
-    interrupted, or out of retries). The caller holds the output lock. Returns how many were queued."""
+def queue_next(study, grid: list[tuple[str, int]], since: int) -> bool:
+    """Queue the first grid point, in grid order, that no trial holds: none waiting, running or finished,
+    and none failed in this run (trial number ``since`` or later: out of memory or out of retries, which
+    the next run retries). Points are queued one at a time, when a worker finds the queue empty, because
+    Optuna hands out waiting trials oldest first: a point interrupted by an earlier run then comes before
+    the points after it, instead of behind a backlog queued at the start. Returns whether one was queued."""
     from optuna.trial import TrialState
 
-    present = {trial_point(t) for t in study.get_trials(deepcopy=False, states=(
-        TrialState.WAITING, TrialState.RUNNING, TrialState.COMPLETE, TrialState.PRUNED))}
-    n = 0
+    held = set()
+    for t in study.get_trials(deepcopy=False):
+        if t.state in (TrialState.WAITING, TrialState.RUNNING, TrialState.COMPLETE, TrialState.PRUNED) or (
+                t.state == TrialState.FAIL and t.number >= since and "surplus" not in t.user_attrs):
+            held.add(trial_point(t))
     for arm, seed in grid:
-        if point_key(arm, seed) not in present:
+        if point_key(arm, seed) not in held:
             study.enqueue_trial({"arm": arm}, user_attrs={"grid_point": point_key(arm, seed), "seed": seed})
-            n += 1
-    return n
+            return True
+    return False
 
 
 def taken_elsewhere(study, trial, point: str) -> bool:
@@ -177,9 +182,9 @@ def make_pruner(sr):
 
 
 def work(sr, study, configs, tuned: dict[str, float], slot: Slot, log: Callable[[str], None], stop,
-         local: bool, poll: float = 1.0) -> dict[str, Any]:
-    """One worker: take queued grid points until none is left and none runs elsewhere (a trial running
-    in a worker that dies is then queued again, and taken here)."""
+         local: bool, since: int, poll: float = 1.0) -> dict[str, Any]:
+    """One worker: take grid points until none is left and none runs elsewhere (a trial running in a
+    worker that dies is then queued again, and taken here). ``since``: the first trial number of this run."""
     import optuna
     import torch
     from optuna.trial import TrialState
@@ -272,7 +277,7 @@ def work(sr, study, configs, tuned: dict[str, float], slot: Slot, log: Callable[
         else:
             st.fail_stale(study)  # Optuna's heartbeat check; optimize() runs it too before each trial
         trials = study.get_trials(deepcopy=False, states=(TrialState.WAITING, TrialState.RUNNING))
-        if not any(t.state == TrialState.WAITING for t in trials):
+        if not any(t.state == TrialState.WAITING for t in trials) and not queue_next(study, grid, since):
             running = [t for t in trials if t.state == TrialState.RUNNING]
             if not running:
                 break
@@ -307,7 +312,7 @@ def _system_attrs(study, trial) -> dict[str, Any]:
 # --------------------------------------------------------------------------- worker processes
 
 
-def _child(slot: Slot, sr, url: str, configs, tuned, results) -> None:
+def _child(slot: Slot, sr, url: str, configs, tuned, results, since: int) -> None:
     """A worker process (spawned): its own process group (Ctrl-C reaches the parent, which passes the
     stop on once), pinned to its slot, dying with the parent."""
     os.setpgrp()
@@ -326,7 +331,7 @@ def _child(slot: Slot, sr, url: str, configs, tuned, results) -> None:
     study = optuna.load_study(study_name=sr.key, storage=storage, pruner=make_pruner(sr),
                               sampler=optuna.samplers.RandomSampler(seed=slot.index))
     with stop_on_signals() as stop:
-        summary = work(sr, study, configs, tuned, slot, log, stop, st.is_local(url), poll=_poll(sr, url))
+        summary = work(sr, study, configs, tuned, slot, log, stop, st.is_local(url), since, poll=_poll(sr, url))
     results.put((slot.index, summary))
 
 
@@ -334,20 +339,21 @@ def _poll(sr, url: str) -> float:
     return 0.5 if st.is_local(url) else max(0.5, min(2.0, sr.heartbeat / 2))
 
 
-def run_workers(sr, url: str, study, configs, tuned, slots: list[Slot], log, stop) -> dict[str, Any]:
+def run_workers(sr, url: str, study, configs, tuned, slots: list[Slot], log, stop, since: int) -> dict[str, Any]:
     """Run the workers: in this process when there is one, else as spawned processes. Signals this
-    process receives (SIGINT, SIGTERM) are passed on to every worker, which checkpoints and stops."""
+    process receives (SIGINT, SIGTERM) are passed on to every worker, which checkpoints and stops.
+    ``since``: the first trial number of this run (see ``queue_next``)."""
     if len(slots) == 1:
         if slots[0].cores:
             pin(Slot(0, None, slots[0].cores))
-        return work(sr, study, configs, tuned, slots[0], log, stop, st.is_local(url), poll=_poll(sr, url))
+        return work(sr, study, configs, tuned, slots[0], log, stop, st.is_local(url), since, poll=_poll(sr, url))
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     procs = []
     for slot in slots:
-        p = ctx.Process(target=_child, args=(slot, sr, url, configs, tuned, results), name=f"mhar-worker-{slot.index}")
+        p = ctx.Process(target=_child, args=(slot, sr, url, configs, tuned, results, since), name=f"mhar-worker-{slot.index}")
         p.start()
         procs.append(p)
         where = (f"GPU {','.join(map(str, slot.cuda))}" if slot.cuda is not None else "") + (

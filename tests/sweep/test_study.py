@@ -92,6 +92,19 @@ def test_study_interrupt_resume_rerun_and_export(tmp_path, capsys, monkeypatch, 
     assert data["at_step"] == 6 and len(data["rows"]) == 2
 
 
+def test_a_point_interrupted_by_an_earlier_run_trains_before_the_points_after_it(tmp_path, monkeypatch):
+    sr = study_run(tmp_path)  # grid: baseline s0, mhar-h2 s0, baseline s1, mhar-h2 s1
+    stop = StopRequest()
+    stop_at_step(monkeypatch, stop, 8)  # interrupts the second point, mhar-h2 s0
+    run_study(sr, stop=stop, log=lambda m: None)
+    monkeypatch.undo()
+    lines: list[str] = []
+    second = run_study(sr, log=lines.append)
+    assert second["ran"] == 3
+    order = [m.split("] ", 1)[1].split(":", 1)[0] for m in lines if m.startswith("[") and "completed" in m]
+    assert order == ["mhar-h2 s0", "baseline s1", "mhar-h2 s1"], "grid order, the resumed point first"
+
+
 def test_unfinished_study_export_names_the_missing_trials(tmp_path, monkeypatch):
     sr = study_run(tmp_path, seeds=1)
     stop = StopRequest()
