@@ -82,7 +82,7 @@ def run_study(sr: StudyRun, stop=None, log: Callable[[str], None] = log_line) ->
         return finished_summary
     sr.output.mkdir(parents=True, exist_ok=True)
     held = None
-    # Finding or creating the study, its tables and its queue must not interleave with another command
+    # Finding or creating the study and its tables must not interleave with another command
     # starting on the same output folder (SQLite's schema creation is not safe against that).
     with st.output_lock(sr.output), _closing_on_error(lambda: held):
         url = choose_storage(sr, len(slots))
