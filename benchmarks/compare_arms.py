@@ -11,6 +11,16 @@ of this size with 80 % power. ``--reruns NAME=DIR ...`` instead lists, per seed,
 loss of ``--arm`` in each of several studies (the same arm and seed trained again) and their spread:
 
     python benchmarks/compare_arms.py --budget steps --reruns heads=DIR1 budget=DIR2 baselines=DIR3
+
+Whether a gap lasts, and whether the curves have flattened: ``--along steps`` (or ``seconds``) gives each pair's
+gap at every evaluation point with its interval, and how it moved over the last ``--last`` fraction of the run
+(default 0.2), paired by seed; ``--plot FILE.png`` draws those gaps. ``--falls`` gives each arm's loss fall
+over that last fraction (its seeds' mean and range, and per 1,000 steps):
+
+    python benchmarks/compare_arms.py heads --budget steps --output STUDY_DIR --along steps --plot gaps.png mhar-h4@baseline
+    python benchmarks/compare_arms.py heads --budget steps --output STUDY_DIR --falls
+
+(How to read them, and their limits under an annealing schedule: ``mhar_ablate/reporting/gaps.py``.)
 """
 
 from __future__ import annotations
@@ -20,17 +30,14 @@ import sys
 from pathlib import Path
 
 from mhar_ablate.errors import UsageError
+from mhar_ablate.reporting.gaps import AXES, Gap, gap_along, loss_falls, paired_runs
+from mhar_ablate.reporting.plots import save_gap_plot
 from mhar_ablate.reporting.statistics import mean_interval, seeds_for_power, seeds_to_exclude_zero
 from mhar_ablate.reporting.table import build_table, collect, interpolate
 from mhar_ablate.sweep.catalog import load_studies
 
-
 def compare(trials: dict, a: str, b: str, at_step: float, at_seconds: float) -> list[str]:
-    for arm in (a, b):
-        if arm not in trials:
-            raise UsageError(f"no arm {arm!r} in this study (arms: {', '.join(trials)})")
-    base = {t.seed: t for t in trials[b] if t.usable}
-    pairs = [(t, base[t.seed]) for t in trials[a] if t.usable and t.seed in base]
+    pairs = paired_runs(trials, a, b)
     if not pairs:
         return [f"{a} - {b}: no seed finished in both"]
     measures = {f"{at_step:.0f} steps": [interpolate(x.curve, 0, at_step) - interpolate(y.curve, 0, at_step) for x, y in pairs],
@@ -51,6 +58,30 @@ def compare(trials: dict, a: str, b: str, at_step: float, at_seconds: float) -> 
     return lines
 
 
+def _interval(diffs: list[float]) -> str:
+    m, h, n = mean_interval(diffs)
+    return f"{m:+.4f} [{m - h:+.4f}, {m + h:+.4f}]" if n > 1 else f"{m:+.4f} (one seed)"
+
+
+def along(gap: Gap | None, a: str, b: str, last: float) -> list[str]:
+    """Lines of the gap A - B at every evaluation point, and of how it moved over the ``last`` fraction."""
+    if gap is None:
+        return [f"{a} - {b}: no seed finished in both"]
+    steps = gap.axis == 0
+    where = (lambda x: f"step {x:.0f}") if steps else (lambda x: f"{x:.1f} s")
+    lines = [f"{a} - {b} along the {'steps' if steps else 'seconds'}, seeds {', '.join(map(str, gap.seeds))}:"]
+    lines += [f"  {where(x):>12}: {_interval(d)}" for x, d in gap.points]
+    end = gap.points[-1][0]
+    lines.append(f"  the gap moved by {_interval(gap.moved(last))} from {where(end * (1 - last))} to {where(end)} "
+                 f"(positive: {a} fell less)")
+    return lines
+
+
+def falls(trials: dict, last: float) -> list[str]:
+    return [f"{f.arm}: fell {f.mean:.4f} (runs {min(f.drops):.4f} to {max(f.drops):.4f}, n {len(f.drops)}) over the last "
+            f"{last:.0%} of its steps, {f.per_1000_steps:.4f} per 1,000 steps" for f in loss_falls(trials, last)]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("name", nargs="?", help="the study (studies/NAME.yaml)")
@@ -59,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("pairs", nargs="*", metavar="A@B")
     p.add_argument("--reruns", nargs="+", metavar="NAME=DIR", help="studies (name and folder) holding the same arm")
     p.add_argument("--arm", default="baseline", help="with --reruns: the arm to compare (default baseline)")
+    p.add_argument("--along", choices=sorted(AXES), help="each pair's gap at every evaluation point instead")
+    p.add_argument("--falls", action="store_true", help="each arm's loss fall over the last fraction of its steps")
+    p.add_argument("--last", type=float, default=0.2, help="the fraction --along and --falls look back over (default 0.2)")
+    p.add_argument("--plot", type=Path, help="with --along: draw the gaps into this PNG")
     args = p.parse_intermixed_args(argv)
     try:
         if args.reruns:
@@ -75,15 +110,35 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{args.arm} s{seed}: final-set loss {', '.join(f'{v:.4f}' for v in losses)}; "
                       f"spread {max(losses) - min(losses):.4f}")
             return 0
-        if args.name is None or args.output is None or not args.pairs:
-            raise UsageError("give NAME, --output and at least one A@B pair (or --reruns NAME=DIR ...)")
-        (study,) = load_studies(args.output, args.name, args.budget, None)
-        table = build_table(study)  # its trials and equal points, exactly as the export has them
+        if not 0.0 < args.last < 1.0:
+            raise UsageError(f"--last is a fraction between 0 and 1, got {args.last}")
+        if args.plot is not None and args.along is None:
+            raise UsageError("--plot draws the gaps of --along: give --along steps or --along seconds")
+        if args.name is None or args.output is None or not (args.pairs or args.falls):
+            raise UsageError("give NAME, --output and at least one A@B pair or --falls (or --reruns NAME=DIR ...)")
+        pairs = []
         for pair in args.pairs:
             a, sep, b = pair.partition("@")
             if not sep or not a or not b:
                 raise UsageError(f"pairs are A@B (arm labels), got {pair!r}")
-            print("\n".join(compare(table.trials, a, b, table.at_step, table.at_seconds)))
+            pairs.append((a, b))
+        (study,) = load_studies(args.output, args.name, args.budget, None)
+        table = build_table(study)  # its trials and equal points, exactly as the export has them
+        if args.falls:
+            print("\n".join(falls(table.trials, args.last)))
+        gaps = []
+        for a, b in pairs:
+            if args.along:
+                gap = gap_along(table.trials, a, b, AXES[args.along])
+                gaps += [gap] if gap else []
+                print("\n".join(along(gap, a, b, args.last)))
+            else:
+                print("\n".join(compare(table.trials, a, b, table.at_step, table.at_seconds)))
+        if args.plot is not None:
+            if not gaps:
+                raise UsageError("no pair has a seed finished in both arms: nothing to draw")
+            path = save_gap_plot(gaps, args.plot, f"{args.name} ({args.budget} budget): gaps along the {args.along}")
+            print(f"gaps drawn into {path}")
     except UsageError as e:
         print(f"compare_arms: {e}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
 """The study's plots: validation loss against steps, training time and training FLOPs (one line per arm,
-mean over seeds), with the target loss marked, and the speed-up to target.
+mean over seeds), with the target loss marked, the speed-up to target, and each arm's gap to the baseline
+along the steps (``gaps.py``: whether a difference lasts).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..io import write_bytes
+from .gaps import Gap, gap_along
 from .table import measures, FLOPS_AXIS, StudyTable, interpolate
 
 
@@ -66,6 +68,12 @@ def save_plots(table: StudyTable, folder: Path) -> list[Path]:
         fig.tight_layout()
         written.append(_save(fig, folder / fname))
         plt.close(fig)
+    gaps = [g for arm in table.trials if table.baseline and arm != table.baseline and table.baseline in table.trials
+            if (g := gap_along(table.trials, arm, table.baseline, 0)) is not None]
+    if gaps:
+        fig = gap_figure(gaps, plt, f"{table.name} ({table.budget} budget): gap to {table.baseline} per step")
+        written.append(_save(fig, folder / "gap_vs_steps.png"))
+        plt.close(fig)
     speedups = _speedup_plot(table, plt)
     if speedups is not None:
         written.append(_save(speedups, folder / "speedup_to_target.png"))
@@ -100,6 +108,39 @@ def save_plots(table: StudyTable, folder: Path) -> list[Path]:
         written.append(_save(fig, folder / f"{table.name}_curve.png"))
         plt.close(fig)
     return written
+
+
+def gap_figure(gaps: list[Gap], plt, title: str):
+    """Each gap's mean over seeds along its axis, its 95 % interval shaded (where there are two seeds or
+    more), and the zero line: below zero, the first arm is ahead."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for g in gaps:
+        xs, ms, hs = zip(*g.series())
+        (line,) = ax.plot(xs, ms, marker="o", ms=3, lw=1.6, label=f"{g.a} − {g.b} ({len(g.seeds)} seeds)")
+        if not any(math.isnan(h) for h in hs):
+            ax.fill_between(xs, [m - h for m, h in zip(ms, hs)], [m + h for m, h in zip(ms, hs)],
+                            color=line.get_color(), alpha=0.15, lw=0)
+    ax.axhline(0.0, color="black", lw=0.8)
+    ax.set_xlabel("optimiser step" if gaps[0].axis == 0 else "training time (seconds)")
+    ax.set_ylabel("validation-loss gap (nats), 95 % interval")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def save_gap_plot(gaps: list[Gap], path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = gap_figure(gaps, plt, title)
+    try:
+        return _save(fig, path)
+    finally:
+        plt.close(fig)
 
 
 def _mark_target(ax, row: dict[str, Any], axis: int, scale: float, color, y: float | None) -> None:

@@ -142,6 +142,7 @@ def test_study_under_the_flops_budget_and_its_export(tmp_path, capsys):
     assert float(rows["baseline"]["at_flops"]) == pytest.approx(at)
     assert rows["mhar-h2"]["delta_at_flops"] and not rows["baseline"]["delta_at_flops"]
     assert (flops.folder / "loss_vs_flops.png").stat().st_size > 0
+    assert (flops.folder / "gap_vs_steps.png").read_bytes()[:4] == b"\x89PNG"  # one seed: the mean gap, no band
 
     assert main(["export", "pair", "--output", str(out)]) == 0
     captured = capsys.readouterr()

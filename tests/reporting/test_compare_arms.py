@@ -40,3 +40,31 @@ def test_one_seed_says_that_its_spread_is_unknown(ca):
     assert lines[0] == "a - b, seeds 0:"
     assert all("(one seed)" in line and "n* unknown (one seed: no spread yet)" in line for line in lines[1:])
     assert not any(">1000" in line for line in lines)
+
+
+def test_along_prints_the_gap_at_every_point_and_how_it_moved(ca):
+    trials = {"a": [trial("a", 0, [5, 3, 2], 1.9), trial("a", 1, [5, 3, 2.2], 2.0)],
+              "b": [trial("b", 0, [5, 4, 2.5], 2.4), trial("b", 1, [5, 4, 2.6], 2.6)]}
+    lines = ca.along(ca.gap_along(trials, "a", "b", 0), "a", "b", 0.5)
+    assert lines[0] == "a - b along the steps, seeds 0, 1:"
+    assert lines[2].split() == ["step", "10:", "-1.0000", "[-1.0000,", "-1.0000]"]
+    assert "-0.4500 [-1.0853, +0.1853]" in lines[3]
+    assert lines[4].startswith("  the gap moved by +0.5500 [-0.0853, +1.1853] from step 10 to step 20")
+    assert ca.along(None, "a", "c", 0.2) == ["a - c: no seed finished in both"]
+    seconds = ca.along(ca.gap_along(trials, "a", "b", 1), "a", "b", 0.5)
+    assert seconds[0] == "a - b along the seconds, seeds 0, 1:" and "from 1.0 s to 2.0 s" in seconds[-1]
+
+
+def test_falls_names_each_arm_and_its_runs_range(ca):
+    trials = {"a": [trial("a", 0, [5, 3, 2], 1.9), trial("a", 1, [5, 3, 2.2], 2.0)]}
+    (line,) = ca.falls(trials, 0.5)
+    assert line == "a: fell 0.9000 (runs 0.8000 to 1.0000, n 2) over the last 50% of its steps, 90.0000 per 1,000 steps"
+
+
+def test_bad_options_get_one_line_and_exit_2(ca, tmp_path, capsys):
+    assert ca.main(["heads", "--budget", "steps", "--output", str(tmp_path), "--last", "0", "a@b"]) == 2
+    assert "--last is a fraction between 0 and 1, got 0.0" in capsys.readouterr().err
+    assert ca.main(["heads", "--budget", "steps", "--output", str(tmp_path), "--plot", "x.png", "a@b"]) == 2
+    assert "--plot draws the gaps of --along" in capsys.readouterr().err
+    assert ca.main(["heads", "--budget", "steps", "--output", str(tmp_path)]) == 2
+    assert "at least one A@B pair or --falls" in capsys.readouterr().err
