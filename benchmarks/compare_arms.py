@@ -36,6 +36,16 @@ from mhar_ablate.reporting.statistics import mean_interval, seeds_for_power, see
 from mhar_ablate.reporting.table import build_table, collect, interpolate
 from mhar_ablate.sweep.catalog import load_studies
 
+
+def _bounds(m: float, h: float, n: int) -> str:
+    return f"[{m - h:+.4f}, {m + h:+.4f}]" if n > 1 else "(one seed)"
+
+
+def _interval(diffs: list[float]) -> str:
+    m, h, n = mean_interval(diffs)
+    return f"{m:+.4f} {_bounds(m, h, n)}"
+
+
 def compare(trials: dict, a: str, b: str, at_step: float, at_seconds: float) -> list[str]:
     pairs = paired_runs(trials, a, b)
     if not pairs:
@@ -48,7 +58,7 @@ def compare(trials: dict, a: str, b: str, at_step: float, at_seconds: float) -> 
     lines = [f"{a} - {b}, seeds {', '.join(str(x.seed) for x, _ in pairs)}:"]
     for name, diffs in measures.items():
         m, h, n = mean_interval(diffs)
-        ci = f"[{m - h:+.4f}, {m + h:+.4f}]" if n > 1 else "(one seed)"
+        ci = _bounds(m, h, n)
         if n < 2 or m == 0:  # no spread to scale by, or no effect to find: n* does not exist
             seeds = "n* unknown (one seed: no spread yet)" if n < 2 else "n* none (mean difference 0)"
         else:
@@ -56,11 +66,6 @@ def compare(trials: dict, a: str, b: str, at_step: float, at_seconds: float) -> 
             seeds = f"n* {need or '>1000'} (interval), {power or '>1000'} (80 % power)"
         lines.append(f"  {name:>12}: per seed {', '.join(f'{d:+.4f}' for d in diffs)}; mean {m:+.4f} {ci}; {seeds}")
     return lines
-
-
-def _interval(diffs: list[float]) -> str:
-    m, h, n = mean_interval(diffs)
-    return f"{m:+.4f} [{m - h:+.4f}, {m + h:+.4f}]" if n > 1 else f"{m:+.4f} (one seed)"
 
 
 def along(gap: Gap | None, a: str, b: str, last: float) -> list[str]:
