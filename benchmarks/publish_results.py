@@ -7,7 +7,7 @@ commit, laid out the same way for every study.
 Per budget it runs ``mhar-ablate export NAME --budget B --format md`` (the table and its plots), then writes
 into ``DEST/NAME/B/``:
 - ``table.md`` and the export's plots (loss against steps, time and FLOPs, each arm's gap to the baseline
-  along the steps, speed-up to target);
+  along the steps or, under the wall-clock budget, the training time; speed-up to target);
 - ``routing-best-mhar.png``: the routing heatmap of the MHAR run with the lowest final-set loss;
 - ``runs.md``: one row per run (arm, seed, steps, seconds, tokens/s, peak memory, step mode, losses), and
   each arm's throughput spread over its seeds;
@@ -31,7 +31,8 @@ from mhar_ablate.bench.model import cell, markdown_table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from collect_runs import KEYS  # noqa: E402  (the per-run figures docs/benchmarks.md quotes)
 
-PLOTS = ("loss_vs_steps.png", "loss_vs_time.png", "loss_vs_flops.png", "gap_vs_steps.png", "speedup_to_target.png")
+PLOTS = ("loss_vs_steps.png", "loss_vs_time.png", "loss_vs_flops.png", "gap_vs_steps.png", "gap_vs_time.png",
+         "speedup_to_target.png")
 
 
 def runs_of(folder: Path) -> list[dict]:

@@ -1,6 +1,7 @@
 """The study's plots: validation loss against steps, training time and training FLOPs (one line per arm,
 mean over seeds), with the target loss marked, the speed-up to target, and each arm's gap to the baseline
-along the steps (``gaps.py``: whether a difference lasts).
+along the steps, or along the training time under the wall-clock budget (``gaps.py``: whether a difference
+lasts).
 """
 
 from __future__ import annotations
@@ -68,11 +69,14 @@ def save_plots(table: StudyTable, folder: Path) -> list[Path]:
         fig.tight_layout()
         written.append(_save(fig, folder / fname))
         plt.close(fig)
+    # Under the wall-clock budget the arms end at different steps and the question is per hour: along time.
+    axis = 1 if table.budget == "wallclock" else 0
     gaps = [g for arm in table.trials if table.baseline and arm != table.baseline and table.baseline in table.trials
-            if (g := gap_along(table.trials, arm, table.baseline, 0)) is not None]
+            if (g := gap_along(table.trials, arm, table.baseline, axis)) is not None]
     if gaps:
-        fig = gap_figure(gaps, plt, f"{table.name} ({table.budget} budget): gap to {table.baseline} per step")
-        written.append(_save(fig, folder / "gap_vs_steps.png"))
+        per = "unit of training time" if axis else "step"
+        fig = gap_figure(gaps, plt, f"{table.name} ({table.budget} budget): gap to {table.baseline} per {per}")
+        written.append(_save(fig, folder / ("gap_vs_time.png" if axis else "gap_vs_steps.png")))
         plt.close(fig)
     speedups = _speedup_plot(table, plt)
     if speedups is not None:

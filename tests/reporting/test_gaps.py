@@ -8,8 +8,8 @@ import pytest
 
 from mhar_ablate.errors import UsageError
 from mhar_ablate.reporting.gaps import gap_along, loss_falls, paired_runs
-from mhar_ablate.reporting.plots import save_gap_plot
-from mhar_ablate.reporting.table import TrialData
+from mhar_ablate.reporting.plots import save_gap_plot, save_plots
+from mhar_ablate.reporting.table import StudyTable, TrialData
 
 
 def trial(arm, seed, losses, every=10.0, status="completed"):
@@ -62,3 +62,13 @@ def test_the_gap_plot_is_a_png(tmp_path):
               "b": [trial("b", s, [5, 4, 2.5]) for s in range(2)]}
     path = save_gap_plot([gap_along(trials, "a", "b", 0)], tmp_path / "gaps" / "g.png", "a against b")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("budget, drawn, not_drawn", [("steps", "gap_vs_steps.png", "gap_vs_time.png"),
+                                                      ("wallclock", "gap_vs_time.png", "gap_vs_steps.png")])
+def test_the_export_draws_the_gap_along_the_budgets_own_axis(tmp_path, budget, drawn, not_drawn):
+    trials = {"b": [trial("b", s, [5, 4, 2.5]) for s in range(2)], "a": [trial("a", s, [5, 3, 2 + s / 10]) for s in range(2)]}
+    table = StudyTable("pair", budget, "", "b", 20.0, 2.0, [{"arm": "b"}, {"arm": "a"}], [], trials)
+    names = {p.name for p in save_plots(table, tmp_path)}
+    assert drawn in names and not_drawn not in names
+    assert (tmp_path / drawn).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -83,7 +83,7 @@ def test_study_interrupt_resume_rerun_and_export(tmp_path, capsys, monkeypatch, 
     assert {r["arm"] for r in rows} == {"baseline", "mhar-h2"}
     assert all(float(r["final_loss_mean"]) > 0 and float(r["final_se"]) > 0 for r in rows)
     assert rows[0]["target_reached"] == "2"  # the baseline reaches its own final loss, by definition
-    for name in ("table.csv", "loss_vs_steps.png", "loss_vs_time.png", "pair_curve.png"):
+    for name in ("table.csv", "loss_vs_steps.png", "loss_vs_time.png", "gap_vs_steps.png", "pair_curve.png"):
         assert (sr.folder / name).stat().st_size > 0, name
     assert main(["export", "pair", "--output", str(sr.output), "--format", "latex"]) == 0
     assert r"\begin{tabular}" in capsys.readouterr().out
